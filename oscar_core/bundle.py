@@ -1,0 +1,198 @@
+"""Rotation bundles: the pydantic manifest, safetensors I/O, checksums, atomic writes.
+
+A bundle is a directory `<zoo>/<org>/<model>/<version>/` with
+- rotations.safetensors: per layer i
+    layers.{i}.key_rotation    float32 [kv_heads, d, d]   R_K, keys are stored as k·R_K
+    layers.{i}.value_rotation  float32 [kv_heads, d, d]   R_V, values are stored as v·R_V
+    layers.{i}.key_clip        float32 [kv_heads]         c_K
+    layers.{i}.value_clip      float32 [kv_heads]         c_V
+  and, when the manifest's rotation.key_centering / value_centering say so,
+    layers.{i}.key_mean        float32 [kv_heads, d]      μ_K, subtracted before rotation
+    layers.{i}.value_mean      float32 [kv_heads, d]      μ_V, subtracted before rotation, added to the output
+- manifest.json: the Manifest below; tensors.sha256 is the checksum of rotations.safetensors.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from oscar_core import __version__
+from oscar_core.errors import OscarError
+from oscar_core.fileio import atomic_write_dir, canonical_json, sha256_bytes
+
+SCHEMA_VERSION = 1
+TENSOR_FILE = "rotations.safetensors"
+MANIFEST_FILE = "manifest.json"
+CONTEXTS_REPORTED = (32768, 131072)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelInfo(Strict):
+    id: str = Field(description="hub id, directory name or .gguf file name")
+    revision: str | None = Field(None, description="hub commit, when loaded from a hub")
+    file_sha256: str | None = Field(None, description="sha256 of the weights file, when loaded from a file")
+    config_sha256: str = Field(description="sha256 of the canonical attention facts of the config")
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_position: Literal["post_rope"] = "post_rope"
+
+
+class QuantInfo(Strict):
+    bits: Literal[2] = 2
+    key_group_size: int = 64
+    value_group_size: int = 64
+    scale_format: Literal["log2-u8+zero-quarter-i8"] = "log2-u8+zero-quarter-i8"
+    key_clip: float = Field(description="mean of the calibrated per-head key clip ratios")
+    value_clip: float = Field(description="mean of the calibrated per-head value clip ratios")
+    clip_scope: Literal["per_layer_head", "global"] = "per_layer_head"
+    clip_objective: str = "keys: attention-logit error; values: attention-output error"
+    sink_tokens: int = 64
+    recent_tokens: int = 256
+    bits_per_element: dict[str, float] = Field(description="context length -> average bits per K/V element")
+
+
+class RotationInfo(Strict):
+    key: str = Field(description="composition of R_K, e.g. 'U_Q·H·P_br'")
+    value: str = Field(description="composition of R_V, e.g. 'U_S·H·P_br'")
+    key_centering: bool = False
+    value_centering: bool = False
+    hadamard: Literal["sylvester"] = "sylvester"
+    permutation: Literal["bit_reversal"] = "bit_reversal"
+    eigenvector_signs: Literal["largest_magnitude_positive"] = "largest_magnitude_positive"
+
+
+class CalibrationInfo(Strict):
+    data: str
+    data_fingerprint: str
+    samples: int
+    seq_len: int
+    seed: int
+    tokens: int
+
+
+class TensorFileInfo(Strict):
+    file: str = TENSOR_FILE
+    sha256: str
+    bytes: int
+
+
+class ToolInfo(Strict):
+    name: str = "oscar"
+    version: str = __version__
+
+
+class Manifest(Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    name: str = Field(description="<org>/<model>")
+    version: str
+    model: ModelInfo
+    quant: QuantInfo
+    rotation: RotationInfo
+    calibration: CalibrationInfo
+    tensors: TensorFileInfo
+    tool: ToolInfo = ToolInfo()
+    max_logit_error: float = Field(0.5, description="oscar verify fails when the OSCAR logit error passes this")
+    fidelity: dict[str, float] | None = Field(None, description="verify figures, when recorded")
+
+
+class Bundle(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    path: Path
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+
+    def layer(self, i: int, name: str) -> torch.Tensor | None:
+        return self.tensors.get(f"layers.{i}.{name}")
+
+
+def expected_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
+    h, d = m.model.num_kv_heads, m.model.head_dim
+    shapes = {}
+    for i in range(m.model.num_layers):
+        shapes[f"layers.{i}.key_rotation"] = (h, d, d)
+        shapes[f"layers.{i}.value_rotation"] = (h, d, d)
+        shapes[f"layers.{i}.key_clip"] = (h,)
+        shapes[f"layers.{i}.value_clip"] = (h,)
+        if m.rotation.key_centering:
+            shapes[f"layers.{i}.key_mean"] = (h, d)
+        if m.rotation.value_centering:
+            shapes[f"layers.{i}.value_mean"] = (h, d)
+    return shapes
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor], manifest: Manifest) -> bytes:
+    metadata = {"format": "pt", "oscar_schema": str(SCHEMA_VERSION), "name": manifest.name,
+                "version": manifest.version}
+    contiguous = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in sorted(tensors.items())}
+    return save_safetensors(contiguous, metadata=metadata)
+
+
+def manifest_json(manifest: Manifest) -> str:
+    return canonical_json(manifest.model_dump(mode="json"))
+
+
+def write_bundle(out_dir: str | Path, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> Manifest:
+    """Write rotations.safetensors and manifest.json atomically; returns the manifest with its checksum."""
+    data = tensor_bytes(tensors, manifest)
+    manifest = manifest.model_copy(update={"tensors": TensorFileInfo(sha256=sha256_bytes(data), bytes=len(data))})
+    atomic_write_dir(out_dir, {TENSOR_FILE: data, MANIFEST_FILE: manifest_json(manifest).encode()})
+    return manifest
+
+
+def bundle_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if path.is_file() and path.name in (TENSOR_FILE, MANIFEST_FILE):
+        path = path.parent
+    if not path.is_dir():
+        raise OscarError(f"bundle not found: {path}")
+    return path
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    path = bundle_dir(path) / MANIFEST_FILE
+    if not path.is_file():
+        raise OscarError(f"not a bundle: {path.parent} has no {MANIFEST_FILE}")
+    try:
+        return Manifest.model_validate_json(path.read_text())
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "manifest"
+        raise OscarError(f"invalid manifest {path}: {where}: {first['msg']}") from None
+    except UnicodeDecodeError:
+        raise OscarError(f"invalid manifest {path}: not UTF-8 text") from None
+
+
+def load_bundle(path: str | Path, device: str | torch.device = "cpu") -> Bundle:
+    """Load a bundle, validating the manifest, the checksum and every tensor's name and shape."""
+    root = bundle_dir(path)
+    manifest = read_manifest(root)
+    tensor_path = root / manifest.tensors.file
+    if not tensor_path.is_file():
+        raise OscarError(f"bundle {root} is missing {manifest.tensors.file}")
+    data = tensor_path.read_bytes()
+    if sha256_bytes(data) != manifest.tensors.sha256:
+        raise OscarError(f"checksum mismatch: {tensor_path} does not match its manifest (corrupt or tampered)")
+    try:
+        tensors = load_safetensors(data)
+    except (SafetensorError, Exception) as e:  # a matching checksum over a broken file
+        raise OscarError(f"cannot read {tensor_path}: {e}") from None
+    expected = expected_shapes(manifest)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise OscarError(f"bundle {root} lacks tensor {missing[0]} (and {len(missing) - 1} more)")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise OscarError(f"bundle {root}: {name} has shape {tuple(tensors[name].shape)}, manifest implies {shape}")
+    return Bundle(path=root, manifest=manifest, tensors={k: v.to(device) for k, v in tensors.items()})
