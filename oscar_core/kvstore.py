@@ -1,0 +1,228 @@
+"""INT2 KV store, plain-torch reference: write, read, and decode attention over the store.
+
+A token's key k of KV head h is stored rotated and centred, k̃ = (k − μ_K[h])·R_K[h] (float32
+arithmetic), and likewise ṽ = (v − μ_V[h])·R_V[h]. The first `sink_tokens` positions and the last
+`recent_tokens` positions of a sequence keep k̃, ṽ in BF16; every position between them keeps only
+the INT2 codes of quant.quantize (asymmetric, per token per group, clipped by the head's ratio).
+
+Decode attention of one new query q (original space, query head j reading KV head h = j // (H/H_kv)):
+    q̃ = q·R_K[h]                              (R_K orthogonal, so q̃·k̃ = q·k − q·μ_K)
+    p_t = softmax_t(scaling · q̃·k̃_t)          (the q·μ_K term is the same for every t: softmax ignores it)
+    o = (Σ_t p_t ṽ_t)·R_V[h]^T + μ_V[h]
+This module is the ground truth for oscar_core/triton/write.py and decode.py; it does no I/O.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from oscar_core import quant
+
+SINK_TOKENS = 64
+RECENT_TOKENS = 256
+
+
+@dataclass
+class LayerRotation:
+    """One layer's bundle tensors (see bundle.py): R [H_kv, d, d], clip [H_kv], μ [H_kv, d] or None."""
+    key_rotation: torch.Tensor
+    value_rotation: torch.Tensor
+    key_clip: torch.Tensor
+    value_clip: torch.Tensor
+    key_mean: torch.Tensor | None = None
+    value_mean: torch.Tensor | None = None
+
+
+@dataclass
+class Int2KVCache:
+    """Padded per-sequence INT2 KV store of one layer, B sequences, H_kv heads, head_dim d.
+
+    Position p < S (S = sink_tokens) of sequence b:   key_sink[b, :, p]                      bf16 [B, H_kv, S, d]
+    position p ≥ S inside the last W (= recent_tokens): key_recent[b, :, (p − S) mod W]    bf16 [B, H_kv, W, d]
+    position S ≤ p < L − W (INT2):  key_codes[b, :, p − S]    uint8 [B, H_kv, T, d/4]   (quant.pack_int2 layout)
+                                    key_scale[b, :, p − S]    uint8 [B, H_kv, T, d/G_K] (scale codes)
+                                    key_zero[b, :, p − S]     int8  [B, H_kv, T, d/G_K] (zero codes)
+    and the same for values with G_V. lengths[b] = L is the number of tokens of sequence b.
+    So the BF16 tokens of sequence b are the first min(S, L) sink rows and the first
+    min(W, max(L − S, 0)) ring rows (in some order: attention does not depend on it), and the
+    INT2 tokens are rows [0, max(L − S − W, 0)) of the code tensors. All stored values are rotated
+    and centred. T = capacity − S − W rows bound the context at `capacity` tokens.
+    """
+    key_sink: torch.Tensor
+    value_sink: torch.Tensor
+    key_recent: torch.Tensor
+    value_recent: torch.Tensor
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    lengths: torch.Tensor
+    key_group_size: int = 64
+    value_group_size: int = 64
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.key_sink.shape[2]
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.key_recent.shape[2]
+
+    def int2_tokens(self) -> torch.Tensor:
+        """Number of INT2 rows in use per sequence, int64 [B]."""
+        return (self.lengths.long() - self.sink_tokens - self.recent_tokens).clamp_min(0)
+
+
+def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_group_size: int = 64,
+                value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
+                device: str | torch.device = "cpu") -> Int2KVCache:
+    """An empty store for up to `capacity` tokens per sequence (at least one INT2 row is allocated)."""
+    rows = max(capacity - sink_tokens - recent_tokens, 1)
+
+    def bf16(n):
+        return torch.zeros(batch, kv_heads, n, head_dim, dtype=torch.bfloat16, device=device)
+
+    def meta(g, dtype):
+        return torch.zeros(batch, kv_heads, rows, head_dim // g, dtype=dtype, device=device)
+
+    return Int2KVCache(
+        key_sink=bf16(sink_tokens), value_sink=bf16(sink_tokens),
+        key_recent=bf16(recent_tokens), value_recent=bf16(recent_tokens),
+        key_codes=meta(4, torch.uint8), key_scale=meta(key_group_size, torch.uint8),
+        key_zero=meta(key_group_size, torch.int8),
+        value_codes=meta(4, torch.uint8), value_scale=meta(value_group_size, torch.uint8),
+        value_zero=meta(value_group_size, torch.int8),
+        lengths=torch.zeros(batch, dtype=torch.int32, device=device),
+        key_group_size=key_group_size, value_group_size=value_group_size)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t, h] = (x[t, h] − μ[h])·R[h] in float32, x [tokens, H_kv, d], R [H_kv, d, d]."""
+    x = x.float()
+    if mean is not None:
+        x = x - mean.float()
+    return torch.einsum("thd,hde->the", x, rotation.float())
+
+
+def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, group_size: int = 64,
+               mean: torch.Tensor | None = None):
+    """Rotate, centre and quantize x [tokens, H_kv, d] (any float dtype) with the per-head clip [H_kv].
+
+    Returns (codes uint8 [tokens, H_kv, d/4] packed by quant.pack_int2,
+             scale codes uint8 [tokens, H_kv, d/G], zero codes int8 [tokens, H_kv, d/G]).
+    """
+    codes, scale, zero = quant.quantize(rotate(x, rotation, mean), group_size, clip.float())
+    return quant.pack_int2(codes), scale, zero
+
+
+def read_int2(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int = 64) -> torch.Tensor:
+    """Dequantize the output of write_int2 back to rotated space: float32 [..., d]."""
+    return quant.dequantize(quant.unpack_int2(packed), scale, zero, group_size)
+
+
+def _store(cache: Int2KVCache, b: int, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           layer: LayerRotation, write) -> None:
+    """Store tokens at positions `pos` (ascending, [n]) of sequence b; keys/values [n, H_kv, d] original space."""
+    s, w = cache.sink_tokens, cache.recent_tokens
+    final = int(pos[-1]) + 1
+    in_sink, in_ring = pos < s, (pos >= s) & (pos >= final - w)
+    to_int2 = ~in_sink & ~in_ring
+    for x, side in ((keys, "key"), (values, "value")):
+        rot, mean = getattr(layer, f"{side}_rotation"), getattr(layer, f"{side}_mean")
+        y = rotate(x, rot, mean).to(torch.bfloat16).transpose(0, 1)
+        getattr(cache, f"{side}_sink")[b, :, pos[in_sink]] = y[:, in_sink]
+        getattr(cache, f"{side}_recent")[b, :, (pos[in_ring] - s) % w] = y[:, in_ring]
+        if to_int2.any():
+            rows = pos[to_int2] - s
+            g = getattr(cache, f"{side}_group_size")
+            packed, scale, zero = write(x[to_int2], rot, getattr(layer, f"{side}_clip"), g, mean)
+            getattr(cache, f"{side}_codes")[b, :, rows] = packed.transpose(0, 1)
+            getattr(cache, f"{side}_scale")[b, :, rows] = scale.transpose(0, 1)
+            getattr(cache, f"{side}_zero")[b, :, rows] = zero.transpose(0, 1)
+
+
+def prefill(cache: Int2KVCache, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+            layer: LayerRotation, write=write_int2) -> None:
+    """Fill an empty cache in place with keys/values [B, L_max, H_kv, d] (original space), lengths [B].
+
+    Tokens bound for INT2 are quantized from their float32 rotation by `write` (write_int2 or the
+    Triton kernel of the same signature)."""
+    for b, n in enumerate(lengths.tolist()):
+        if n:
+            pos = torch.arange(n, device=keys.device)
+            _store(cache, b, pos, keys[b, :n], values[b, :n], layer, write)
+    cache.lengths.copy_(lengths.to(cache.lengths))
+
+
+def append_token(cache: Int2KVCache, key: torch.Tensor, value: torch.Tensor, layer: LayerRotation) -> None:
+    """Append one token per sequence in place, key/value [B, H_kv, d] original space.
+
+    When the recent ring is full, the token leaving it (position L − W) is quantized from its BF16
+    rotated copy into INT2 row L − W − S before its ring slot is reused."""
+    s, w = cache.sink_tokens, cache.recent_tokens
+    eye = torch.eye(key.shape[-1], device=key.device).expand_as(layer.key_rotation)
+    for b, n in enumerate(cache.lengths.tolist()):
+        old = n - w
+        if old >= s:
+            slot, row = (old - s) % w, old - s
+            for side in ("key", "value"):
+                g = getattr(cache, f"{side}_group_size")
+                kept = getattr(cache, f"{side}_recent")[b, :, slot][None]
+                packed, scale, zero = write_int2(kept, eye, getattr(layer, f"{side}_clip"), g)
+                getattr(cache, f"{side}_codes")[b, :, row] = packed[0]
+                getattr(cache, f"{side}_scale")[b, :, row] = scale[0]
+                getattr(cache, f"{side}_zero")[b, :, row] = zero[0]
+        pos = torch.tensor([n], device=key.device)
+        # Only the new token is stored, so _store must treat it as the last one: final = n + 1.
+        _store(cache, b, pos, key[b][None], value[b][None], layer, write_int2)
+    cache.lengths += 1
+
+
+def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All stored keys and values of sequence b in rotated space, float32 [H_kv, L, d] (positions unordered)."""
+    n = int(cache.lengths[b])
+    s, w = cache.sink_tokens, cache.recent_tokens
+    n_sink, n_ring, n_int2 = min(n, s), min(w, max(n - s, 0)), max(n - s - w, 0)
+    out = []
+    for side in ("key", "value"):
+        g = getattr(cache, f"{side}_group_size")
+        parts = [getattr(cache, f"{side}_sink")[b, :, :n_sink].float(),
+                 getattr(cache, f"{side}_recent")[b, :, :n_ring].float(),
+                 read_int2(getattr(cache, f"{side}_codes")[b, :, :n_int2],
+                           getattr(cache, f"{side}_scale")[b, :, :n_int2],
+                           getattr(cache, f"{side}_zero")[b, :, :n_int2], g)]
+        out.append(torch.cat(parts, dim=1))
+    return out[0], out[1]
+
+
+def rotate_query(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tensor:
+    """q̃[b, j] = q[b, j]·R_K[j // (H/H_kv)] in float32, q [B, H, d]."""
+    kv_heads = key_rotation.shape[0]
+    b, h, d = q.shape
+    q = q.float().reshape(b, kv_heads, h // kv_heads, d)
+    return torch.einsum("bkgd,kde->bkge", q, key_rotation.float()).reshape(b, h, d)
+
+
+def decode_attention_reference(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
+                               value_rotation: torch.Tensor, value_mean: torch.Tensor | None,
+                               scaling: float) -> torch.Tensor:
+    """Attention of one query token per sequence, q [B, H, d] original space, over the whole cache.
+
+    o[b, j] = softmax(scaling · q̃[b, j]·K̃_b^T)·Ṽ_b·R_V[h]^T + μ_V[h], h = j // (H/H_kv), in float32.
+    Returns float32 [B, H, d]."""
+    bsz, heads, d = q.shape
+    kv_heads = key_rotation.shape[0]
+    group = heads // kv_heads
+    qr = rotate_query(q, key_rotation).reshape(bsz, kv_heads, group, d)
+    out = torch.empty(bsz, kv_heads, group, d, dtype=torch.float32, device=q.device)
+    for b in range(bsz):
+        k, v = sequence_kv(cache, b)
+        p = torch.softmax(scaling * qr[b] @ k.transpose(1, 2), dim=-1)
+        o = p @ v
+        o = o @ value_rotation.float().transpose(1, 2)
+        if value_mean is not None:
+            o = o + value_mean.float()[:, None]
+        out[b] = o
+    return out.reshape(bsz, heads, d)
