@@ -1,0 +1,329 @@
+"""Triton decode attention over an Int2KVCache: flash-decoding split over the context, then a reduce.
+
+Program (s, b·H_kv + h) of the split kernel attends the HG = H/H_kv query heads of KV head h
+(stacked as the rows of the tensor-core products) over one slice of sequence b:
+split 0 the BF16 sink and recent windows, split s ≥ 1 rows [(s−1)·chunk, s·chunk) of the INT2 store.
+It writes the unnormalized output, the running max m and the sum l of its slice; the reduce kernel
+merges the slices, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, and returns to original space,
+o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
+
+INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
+values u_i = 128 + m_i·code_i, m = (1, 4, 16, 16), by or-ing the masked bits into the mantissa of
+128.0 (0x4300): no integer-to-float conversion. With x̂ = step·(code + z/4) per token and group g:
+  keys:   q̃·k̂ = Σ_g step_g · (Σ_i (q̃_i/m_i)·u_i − 128·Σ_i Σ q̃_i/m_i + z_g/4 · Σ_{c∈g} q̃_c)
+  values: Σ_n p_n v̂_n[c] = (Σ_n a_n u_i[n] − 128·Σ_n a_n)/m_i + Σ_n a_n z_n/4,  a_n = p_n·step_g[n]
+so the products run on raw codes and the scale and zero apply to the small score / output tiles.
+The groups of a head are stacked as extra rows (row = g·HGP + r): key rows carry the query restricted
+to group g, value rows carry a = p·step_g; the rows of each group are summed (keys) or the columns
+of group g picked (values) afterwards.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_core.kvstore import Int2KVCache, rotate_query
+
+LOG2E = 1.4426950408889634
+
+_UNPACK_ASM = """
+{
+.reg .b32 lo, hi, z;
+mov.b32 z, 0;
+prmt.b32 lo, $8, z, 0x4140;
+prmt.b32 hi, $8, z, 0x4342;
+and.b32 $0, lo, 0x00030003;
+or.b32 $0, $0, 0x43004300;
+and.b32 $1, hi, 0x00030003;
+or.b32 $1, $1, 0x43004300;
+and.b32 $2, lo, 0x000c000c;
+or.b32 $2, $2, 0x43004300;
+and.b32 $3, hi, 0x000c000c;
+or.b32 $3, $3, 0x43004300;
+and.b32 $4, lo, 0x00300030;
+or.b32 $4, $4, 0x43004300;
+and.b32 $5, hi, 0x00300030;
+or.b32 $5, $5, 0x43004300;
+shr.b32 lo, lo, 2;
+shr.b32 hi, hi, 2;
+and.b32 $6, lo, 0x00300030;
+or.b32 $6, $6, 0x43004300;
+and.b32 $7, hi, 0x00300030;
+or.b32 $7, $7, 0x43004300;
+}
+"""
+
+
+@triton.jit
+def _unpack(packed, USE_ASM: tl.constexpr):
+    """uint8 bytes -> four bf16 tensors u_i = 128 + m_i·((byte >> 2i) & 3), m = (1, 4, 16, 16)."""
+    if USE_ASM:
+        u0, u1, u2, u3 = tl.inline_asm_elementwise(
+            _UNPACK_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        p = packed.to(tl.int16)
+        u0 = ((p & 3) | 0x4300).to(tl.bfloat16, bitcast=True)
+        u1 = ((p & 12) | 0x4300).to(tl.bfloat16, bitcast=True)
+        u2 = ((p & 48) | 0x4300).to(tl.bfloat16, bitcast=True)
+        u3 = (((p >> 2) & 48) | 0x4300).to(tl.bfloat16, bitcast=True)
+    return u0, u1, u2, u3
+
+
+@triton.jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    """tl.dot; with F32 on float32 copies (exact for bf16 inputs), for the CPU interpreter's numpy matmul."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, length, q_row0,
+                 scale_log2, slot, HG: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                 QP: tl.constexpr, BLOCK_W: tl.constexpr, F32: tl.constexpr):
+    """Attention over the BF16 sink and recent windows of one sequence and KV head."""
+    r = tl.arange(0, QP)
+    c = tl.arange(0, D)
+    q = tl.load(q_ptr + (q_row0 + r)[:, None] * D + c[None, :], mask=(r < HG)[:, None], other=0.0)
+    n_sink = tl.minimum(length, S)
+    n_win = n_sink + tl.minimum(tl.maximum(length - S, 0), W)
+    sink0 = bh.to(tl.int64) * S * D
+    ring0 = bh.to(tl.int64) * W * D
+    m = tl.full([QP], -1e30, tl.float32)
+    l = tl.zeros([QP], tl.float32)
+    acc = tl.zeros([QP, D], tl.float32)
+    for t0 in range(0, n_win, BLOCK_W):
+        n = t0 + tl.arange(0, BLOCK_W)
+        valid = n < n_win
+        in_sink = (n < n_sink)[:, None]
+        off_s = sink0 + n[:, None] * D + c[None, :]
+        off_r = ring0 + (n - n_sink)[:, None] * D + c[None, :]
+        k = tl.load(tl.where(in_sink, ks_ptr + off_s, kr_ptr + off_r), mask=valid[:, None], other=0.0)
+        x = _dot(q, tl.trans(k), None, F32) * scale_log2
+        x = tl.where(valid[None, :], x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        alpha = tl.exp2(m - m_new)
+        # Normalize by the bf16 weights that multiply v, so a large common component of v cancels exactly.
+        p = tl.exp2(x - m_new[:, None]).to(tl.bfloat16)
+        l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
+        v = tl.load(tl.where(in_sink, vs_ptr + off_s, vr_ptr + off_r), mask=valid[:, None], other=0.0)
+        acc = _dot(p, v, acc * alpha[:, None], F32)
+        m = m_new
+    rows = slot * HG + r
+    tl.store(po_ptr + rows[:, None] * D + c[None, :], acc, mask=(r < HG)[:, None])
+    tl.store(pm_ptr + rows, m, mask=r < HG)
+    tl.store(pl_ptr + rows, l, mask=r < HG)
+
+
+@triton.jit
+def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
+               bh, start, end, q_row0, log2_scale, T, slot,
+               HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HGP: tl.constexpr,
+               BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, F32: tl.constexpr):
+    """Attention over INT2 rows [start, end) of one sequence and KV head."""
+    NGK: tl.constexpr = D // GK
+    NGV: tl.constexpr = D // GV
+    MK: tl.constexpr = NGK * HGP
+    MV: tl.constexpr = NGV * HGP
+    DB: tl.constexpr = D // 4
+    j = tl.arange(0, DB)
+
+    # Query rows (g, r): q̃[r, 4j+i]/m_i where channel 4j+i lies in key group g, else 0.
+    mk = tl.arange(0, MK)
+    qmask = ((mk % HGP) < HG)[:, None] & ((j[None, :] // (GK // 4)) == (mk // HGP)[:, None])
+    qoff = (q_row0 + mk % HGP)[:, None] * D + 4 * j[None, :]
+    q0 = tl.load(q_ptr + qoff, mask=qmask, other=0.0)
+    q1 = (tl.load(q_ptr + qoff + 1, mask=qmask, other=0.0).to(tl.float32) * 0.25).to(tl.bfloat16)
+    q2 = (tl.load(q_ptr + qoff + 2, mask=qmask, other=0.0).to(tl.float32) * 0.0625).to(tl.bfloat16)
+    q3 = (tl.load(q_ptr + qoff + 3, mask=qmask, other=0.0).to(tl.float32) * 0.0625).to(tl.bfloat16)
+    f0, f1, f2, f3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+    q_sum = tl.reshape(tl.sum(f0 + 4.0 * f1 + 16.0 * (f2 + f3), axis=1), [NGK, HGP, 1])
+    q_128 = tl.reshape(128.0 * tl.sum(f0 + f1 + f2 + f3, axis=1), [NGK, HGP, 1])
+
+    gk = tl.arange(0, NGK)
+    gv = tl.arange(0, NGV)
+    code0 = bh.to(tl.int64) * T * DB
+    kmeta0 = bh.to(tl.int64) * T * NGK
+    vmeta0 = bh.to(tl.int64) * T * NGV
+    m = tl.full([HGP], -1e30, tl.float32)
+    l = tl.zeros([HGP], tl.float32)
+    a_sum = tl.zeros([NGV, HGP], tl.float32)
+    z_sum = tl.zeros([NGV, HGP], tl.float32)
+    acc0 = tl.zeros([MV, DB], tl.float32)
+    acc1 = tl.zeros([MV, DB], tl.float32)
+    acc2 = tl.zeros([MV, DB], tl.float32)
+    acc3 = tl.zeros([MV, DB], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        n = t0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        kp = tl.load(kc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
+        u0, u1, u2, u3 = _unpack(kp, USE_ASM)
+        s = _dot(q0, tl.trans(u0), None, F32)
+        s = _dot(q1, tl.trans(u1), s, F32)
+        s = _dot(q2, tl.trans(u2), s, F32)
+        s = _dot(q3, tl.trans(u3), s, F32)
+        ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+        kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+        kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
+        s3 = tl.reshape(s, [NGK, HGP, BLOCK_N])
+        x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum - q_128), axis=0)
+        x = tl.where(valid[None, :], x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(x - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+
+        vp = tl.load(vc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
+        w0, w1, w2, w3 = _unpack(vp, USE_ASM)
+        vsc = tl.load(vsc_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
+        vz = tl.load(vz_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
+        vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
+        a3f = p[None, :, :] * vstep[:, None, :]
+        a3 = a3f.to(tl.bfloat16)
+        a_sum = a_sum * alpha[None, :] + tl.sum(a3.to(tl.float32), axis=2)
+        z_sum = z_sum * alpha[None, :] + tl.sum(a3f * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
+        a = tl.reshape(a3, [MV, BLOCK_N])
+        alpha_rows = tl.reshape(tl.broadcast_to(alpha[None, :], [NGV, HGP]), [MV])[:, None]
+        acc0 = _dot(a, w0, acc0 * alpha_rows, F32)
+        acc1 = _dot(a, w1, acc1 * alpha_rows, F32)
+        acc2 = _dot(a, w2, acc2 * alpha_rows, F32)
+        acc3 = _dot(a, w3, acc3 * alpha_rows, F32)
+
+    # Output channel 4j+i of head r: rows (g(j), r) of acc_i, less the 128 offset, plus the zero term.
+    pick = (j // (GV // 4))[None, None, :] == gv[:, None, None]
+    a128 = (128.0 * a_sum)[:, :, None]
+    zt = z_sum[:, :, None]
+    r = tl.arange(0, HGP)
+    out = po_ptr + (slot * HG + r)[:, None] * D + 4 * j[None, :]
+    omask = (r < HG)[:, None]
+    o = tl.sum(tl.where(pick, tl.reshape(acc0, [NGV, HGP, DB]) - a128 + zt, 0.0), axis=0)
+    tl.store(out, o, mask=omask)
+    o = tl.sum(tl.where(pick, (tl.reshape(acc1, [NGV, HGP, DB]) - a128) * 0.25 + zt, 0.0), axis=0)
+    tl.store(out + 1, o, mask=omask)
+    o = tl.sum(tl.where(pick, (tl.reshape(acc2, [NGV, HGP, DB]) - a128) * 0.0625 + zt, 0.0), axis=0)
+    tl.store(out + 2, o, mask=omask)
+    o = tl.sum(tl.where(pick, (tl.reshape(acc3, [NGV, HGP, DB]) - a128) * 0.0625 + zt, 0.0), axis=0)
+    tl.store(out + 3, o, mask=omask)
+    tl.store(pm_ptr + slot * HG + r, m, mask=r < HG)
+    tl.store(pl_ptr + slot * HG + r, l, mask=r < HG)
+
+
+@triton.jit
+def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr,
+                  len_ptr, po_ptr, pm_ptr, pl_ptr, scale_log2, log2_scale, T, chunk, NS,
+                  HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+                  S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_ASM: tl.constexpr,
+                  F32: tl.constexpr):
+    sid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    length = tl.load(len_ptr + b)
+    q_row0 = b * (HKV * HG) + h * HG
+    slot = bh * NS + sid
+    if sid == 0:
+        _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, length, q_row0,
+                     scale_log2, slot, HG, D, S, W, QP, BLOCK_W, F32)
+    else:
+        n_int2 = tl.maximum(length - S - W, 0)
+        start = (sid - 1) * chunk
+        end = tl.minimum(start + chunk, n_int2)
+        _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
+                   bh, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, USE_ASM, F32)
+
+
+@triton.jit
+def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
+                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, QP: tl.constexpr,
+                   BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for columns [e0, e0 + BLOCK_E)."""
+    bh = tl.program_id(0)
+    e0 = tl.program_id(1) * BLOCK_E
+    h = bh % HKV
+    r = tl.arange(0, QP)
+    rmask = r < HG
+    c = tl.arange(0, D)
+    base = bh * NS * HG
+    m_max = tl.full([QP], -1e30, tl.float32)
+    for s in range(0, NS):
+        m_max = tl.maximum(m_max, tl.load(pm_ptr + base + s * HG + r, mask=rmask, other=-1e30))
+    l_sum = tl.zeros([QP], tl.float32)
+    o = tl.zeros([QP, D], tl.float32)
+    for s in range(0, NS):
+        w = tl.exp2(tl.load(pm_ptr + base + s * HG + r, mask=rmask, other=-1e30) - m_max)
+        l_sum += w * tl.load(pl_ptr + base + s * HG + r, mask=rmask, other=0.0)
+        part = tl.load(po_ptr + (base + s * HG + r)[:, None] * D + c[None, :], mask=rmask[:, None], other=0.0)
+        o += w[:, None] * part
+    o = o / tl.where(rmask, l_sum, 1.0)[:, None]
+    e = e0 + tl.arange(0, BLOCK_E)
+    rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
+    y = tl.dot(o, rvt, input_precision="ieee")
+    if HAS_MEAN:
+        y += tl.load(mean_ptr + h * D + e)[None, :]
+    tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms: int, waves: int = 4):
+    """(chunk, number of splits): INT2 rows per split, and 1 window split plus enough INT2 splits to
+    give about `waves` programs per multiprocessor."""
+    want = max(1, -(-waves * num_sms // (batch * kv_heads)))
+    chunk = max(block_n, -(-max(max_int2, 1) // want))
+    chunk = -(-chunk // block_n) * block_n
+    return chunk, 1 + -(-max_int2 // chunk)
+
+
+def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
+                     value_rotation: torch.Tensor, value_mean: torch.Tensor | None, scaling: float,
+                     max_length: int | None = None, block_n: int = 64, block_w: int = 64,
+                     num_warps: int = 4, num_stages: int = 2, waves: int = 4, use_asm: bool | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
+
+    max_length (the largest cache.lengths, if the caller knows it) saves a device-to-host read.
+    out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
+    Every sequence needs at least one token. The cache tensors must be contiguous."""
+    bsz, heads, d = q.shape
+    kv_heads = cache.key_codes.shape[1]
+    hg = heads // kv_heads
+    ngk, ngv = d // cache.key_group_size, d // cache.value_group_size
+    if d % 64 or cache.key_group_size < 64 or cache.value_group_size < 64:
+        raise ValueError("decode_attention needs head_dim and group sizes that are multiples of 64")
+    hgp = max(_pow2(hg), 16 // min(ngk, ngv))
+    if use_asm is None:
+        use_asm = q.is_cuda
+    if max_length is None:
+        max_length = int(cache.lengths.max())
+    max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    chunk, ns = plan_splits(bsz, kv_heads, max_int2, block_n, num_sms, waves)
+
+    q_rot = rotate_query(q, key_rotation).to(torch.bfloat16).contiguous()
+    po = torch.empty(bsz * kv_heads, ns, hg, d, dtype=torch.float32, device=q.device)
+    pm = torch.empty(bsz * kv_heads, ns, hg, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    scale_log2 = scaling * LOG2E
+    _split_kernel[(ns, bsz * kv_heads)](
+        q_rot, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
+        cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
+        cache.lengths, po, pm, pl, scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], chunk, ns,
+        HKV=kv_heads, HG=hg, D=d, GK=cache.key_group_size, GV=cache.value_group_size,
+        S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp, QP=max(16, hgp),
+        BLOCK_N=block_n, BLOCK_W=block_w, USE_ASM=use_asm, F32=not q.is_cuda, num_warps=num_warps, num_stages=num_stages)
+    if out is None:
+        out = torch.empty(bsz, heads, d, dtype=q.dtype, device=q.device)
+    rv = value_rotation.float().contiguous()
+    mean = value_mean.float().contiguous() if value_mean is not None else rv
+    block_e = min(d, 32)
+    _reduce_kernel[(bsz * kv_heads, d // block_e)](
+        po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, QP=max(16, hgp), BLOCK_E=block_e,
+        HAS_MEAN=value_mean is not None, num_warps=4)
+    return out
