@@ -17,9 +17,11 @@ app = typer.Typer(
 )
 
 from oscar_cli.commands import calibrate, export  # noqa: E402
+from oscar_cli.commands import push  # noqa: E402
 
 calibrate.register(app)
 export.register(app)
+push.register(app)
 
 
 def main() -> None:
