@@ -1,0 +1,117 @@
+import torch
+
+from oscar_core import kvstore, quant
+
+S, W = kvstore.SINK_TOKENS, kvstore.RECENT_TOKENS
+
+
+def orthogonal(heads, d, gen):
+    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, dtype=torch.float64))[0].float()
+
+
+def make_layer(kv_heads, d, gen):
+    return kvstore.LayerRotation(
+        key_rotation=orthogonal(kv_heads, d, gen), value_rotation=orthogonal(kv_heads, d, gen),
+        key_clip=torch.full((kv_heads,), 0.96), value_clip=torch.full((kv_heads,), 0.92),
+        key_mean=torch.randn(kv_heads, d, generator=gen), value_mean=torch.randn(kv_heads, d, generator=gen))
+
+
+def test_write_read_roundtrip():
+    gen = torch.Generator().manual_seed(1)
+    heads, d = 3, 128
+    x = torch.randn(50, heads, d, generator=gen).bfloat16()
+    rot, mean = orthogonal(heads, d, gen), torch.randn(heads, d, generator=gen)
+    clip = torch.tensor([1.0, 0.9, 0.8])
+    packed, scale, zero = kvstore.write_int2(x, rot, clip, 64, mean)
+    assert packed.shape == (50, heads, d // 4) and packed.dtype == torch.uint8
+    assert scale.shape == zero.shape == (50, heads, 2) and zero.dtype == torch.int8
+    back = kvstore.read_int2(packed, scale, zero, 64)
+    y = kvstore.rotate(x, rot, mean)
+    assert torch.equal(back, quant.fake_quantize(y, 64, clip[None, :]))
+    original = torch.einsum("the,hde->thd", back, rot) + mean
+    assert torch.allclose(kvstore.rotate(original, rot, mean), back, atol=1e-4)
+    assert (back - y).norm() / y.norm() < 0.7  # INT2 of Gaussian data, clipped
+
+
+def original_space_attention(q, cache, layer, scaling):
+    """float64: every position of every sequence rebuilt in original space, then plain softmax attention."""
+    bsz, heads, d = q.shape
+    kv_heads = layer.key_rotation.shape[0]
+    out = torch.empty(bsz, heads, d, dtype=torch.float64)
+    for b in range(bsz):
+        n = int(cache.lengths[b])
+        keys, values = [], []
+        for p in range(n):
+            if p < S:
+                k, v = cache.key_sink[b, :, p], cache.value_sink[b, :, p]
+            elif p >= n - W:
+                k, v = cache.key_recent[b, :, (p - S) % W], cache.value_recent[b, :, (p - S) % W]
+            else:
+                r = p - S
+                k = quant.dequantize(quant.unpack_int2(cache.key_codes[b, :, r]), cache.key_scale[b, :, r],
+                                     cache.key_zero[b, :, r], cache.key_group_size)
+                v = quant.dequantize(quant.unpack_int2(cache.value_codes[b, :, r]), cache.value_scale[b, :, r],
+                                     cache.value_zero[b, :, r], cache.value_group_size)
+            keys.append(k.double())
+            values.append(v.double())
+        rk, rv = layer.key_rotation.double(), layer.value_rotation.double()
+        k = torch.einsum("thc,hdc->thd", torch.stack(keys), rk) + layer.key_mean.double()
+        v = torch.einsum("thc,hdc->thd", torch.stack(values), rv) + layer.value_mean.double()
+        for j in range(heads):
+            h = j // (heads // kv_heads)
+            p = torch.softmax(scaling * k[:, h] @ q[b, j].double(), dim=0)
+            out[b, j] = p @ v[:, h]
+    return out
+
+
+def test_decode_reference_matches_float64_original_space():
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, d = 8, 2, 64
+    layer = make_layer(kv_heads, d, gen)
+    lengths = torch.tensor([500, 40, 330, 64, 321])
+    keys = torch.randn(5, 500, kv_heads, d, generator=gen).bfloat16()
+    values = torch.randn(5, 500, kv_heads, d, generator=gen).bfloat16()
+    cache = kvstore.empty_cache(5, kv_heads, d, 600)
+    kvstore.prefill(cache, keys, values, lengths, layer)
+    assert cache.int2_tokens().tolist() == [180, 0, 10, 0, 1]
+    q = torch.randn(5, heads, d, generator=gen)
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
+                                             layer.value_mean, d ** -0.5)
+    exact = original_space_attention(q, cache, layer, d ** -0.5)
+    assert ((ref.double() - exact).norm() / exact.norm()) < 1e-5
+
+
+def test_windows_keep_bf16_rotation():
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, d = 2, 64
+    layer = make_layer(kv_heads, d, gen)
+    keys = torch.randn(1, 400, kv_heads, d, generator=gen).bfloat16()
+    cache = kvstore.empty_cache(1, kv_heads, d, 400)
+    kvstore.prefill(cache, keys, keys, torch.tensor([400]), layer)
+    y = kvstore.rotate(keys[0], layer.key_rotation, layer.key_mean).bfloat16()
+    assert torch.equal(cache.key_sink[0], y[:S].transpose(0, 1))
+    assert torch.equal(cache.key_recent[0, :, (399 - S) % W], y[399])
+    packed, _, _ = kvstore.write_int2(keys[0, S:400 - W], layer.key_rotation, layer.key_clip, 64, layer.key_mean)
+    assert torch.equal(cache.key_codes[0, :, :400 - S - W], packed.transpose(0, 1))
+
+
+def test_append_token_matches_prefill():
+    gen = torch.Generator().manual_seed(4)
+    kv_heads, d = 2, 64
+    layer = make_layer(kv_heads, d, gen)
+    n = S + W + 40
+    keys = torch.randn(2, n, kv_heads, d, generator=gen).bfloat16()
+    values = torch.randn(2, n, kv_heads, d, generator=gen).bfloat16()
+    full = kvstore.empty_cache(2, kv_heads, d, n)
+    kvstore.prefill(full, keys, values, torch.tensor([n, n]), layer)
+    grown = kvstore.empty_cache(2, kv_heads, d, n)
+    kvstore.prefill(grown, keys[:, :300], values[:, :300], torch.tensor([300, 300]), layer)
+    for t in range(300, n):
+        kvstore.append_token(grown, keys[:, t], values[:, t], layer)
+    assert grown.lengths.tolist() == [n, n]
+    assert torch.equal(grown.key_sink, full.key_sink) and torch.equal(grown.value_recent, full.value_recent)
+    # Evicted tokens are quantized from their BF16 copy, prefilled ones from float32: nearly the same codes.
+    rows = n - S - W
+    same = quant.unpack_int2(grown.key_codes[:, :, :rows]) == quant.unpack_int2(full.key_codes[:, :, :rows])
+    assert same.float().mean() > 0.95
+    assert (grown.value_scale[:, :, :rows] == full.value_scale[:, :, :rows]).float().mean() > 0.95

@@ -1,0 +1,118 @@
+"""The Triton kernels against kvstore's reference, on the CPU through Triton's interpreter.
+
+triton.jit reads TRITON_INTERPRET when it decorates a kernel, so the variable is set before the
+kernel modules are imported, and they are reloaded if another test module imported them first."""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from oscar_core import kvstore  # noqa: E402
+from oscar_core.triton import decode, write  # noqa: E402
+
+if not torch.cuda.is_available() and not isinstance(decode._split_kernel, triton.runtime.interpreter.InterpretedFunction):
+    write = importlib.reload(sys.modules["oscar_core.triton.write"])
+    decode = importlib.reload(sys.modules["oscar_core.triton.decode"])
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def orthogonal(heads, d, gen):
+    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, dtype=torch.float64))[0].float()
+
+
+@pytest.mark.parametrize("d,group", [(64, 64), (128, 64), (128, 128)])
+def test_write_kernel_matches_reference(d, group):
+    gen = torch.Generator().manual_seed(d + group)
+    tokens, heads = 45, 3
+    mean = torch.randn(heads, d, generator=gen)
+    x = (torch.randn(tokens, heads, d, generator=gen) * 2 + mean).bfloat16()
+    x[5, 1, 7] = 60.0  # an outlier group
+    x[9, 2] = 40.0 + 1e-3 * x[9, 2].float()  # a far-off-centre group: the step widens
+    rot = orthogonal(heads, d, gen)
+    clip = torch.tensor([1.0, 0.96, 0.9])
+    ref = kvstore.write_int2(x, rot, clip, group, mean)
+    out = (torch.full((tokens, heads, d // 4), 0xA5, dtype=torch.uint8, device=DEVICE),
+           torch.full((tokens, heads, d // group), 0xA5, dtype=torch.uint8, device=DEVICE),
+           torch.full((tokens, heads, d // group), -91, dtype=torch.int8, device=DEVICE))
+    write.write_int2(x.to(DEVICE), rot.to(DEVICE), clip.to(DEVICE), group, mean.to(DEVICE), out=out)
+    out = [t.cpu() for t in out]
+    for got, want in zip(out, ref):
+        assert (got == want).float().mean() >= 0.999
+    got, want = kvstore.read_int2(*out, group), kvstore.read_int2(*ref, group)
+    assert (got - want).norm() / want.norm() < 1e-2
+
+
+def test_write_kernel_into_cache_view():
+    gen = torch.Generator().manual_seed(7)
+    heads, d = 2, 64
+    x = torch.randn(20, heads, d, generator=gen).bfloat16()
+    rot, clip = orthogonal(heads, d, gen), torch.full((heads,), 0.9)
+    cache = kvstore.empty_cache(1, heads, d, 400)
+    rows = slice(3, 23)
+    view = (cache.key_codes[0, :, rows].transpose(0, 1), cache.key_scale[0, :, rows].transpose(0, 1),
+            cache.key_zero[0, :, rows].transpose(0, 1))
+    write.write_int2(x, rot, clip, 64, out=view)
+    ref = kvstore.write_int2(x, rot, clip, 64)
+    assert (cache.key_codes[0, :, rows].transpose(0, 1) == ref[0]).float().mean() >= 0.999
+    assert (cache.key_codes[0, :, :3] == 0).all() and (cache.key_codes[0, :, 23:] == 0).all()
+
+
+def build(gen, lengths, heads, kv_heads, d, key_group, value_group):
+    """A prefilled cache of data whose per-channel offset the bundle's means capture."""
+    bsz, longest = len(lengths), max(lengths)
+    mk, mv = torch.randn(kv_heads, d, generator=gen), torch.randn(kv_heads, d, generator=gen)
+    layer = kvstore.LayerRotation(orthogonal(kv_heads, d, gen), orthogonal(kv_heads, d, gen),
+                                  torch.full((kv_heads,), 0.96), torch.full((kv_heads,), 0.92), mk, mv)
+    keys = (torch.randn(bsz, longest, kv_heads, d, generator=gen) + mk).bfloat16()
+    values = (torch.randn(bsz, longest, kv_heads, d, generator=gen) + mv).bfloat16()
+    cache = kvstore.empty_cache(bsz, kv_heads, d, longest + 8, key_group, value_group)
+    kvstore.prefill(cache, keys, values, torch.tensor(lengths), layer)
+    q = torch.randn(bsz, heads, d, generator=gen)
+    return cache, layer, q
+
+
+def to_device(cache):
+    fields = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(cache).items()}
+    return kvstore.Int2KVCache(**fields)
+
+
+@pytest.mark.parametrize("d,heads,kv_heads,key_group,value_group,lengths", [
+    (64, 16, 2, 64, 64, [700, 50, 330, 1]),
+    (128, 8, 2, 64, 64, [900, 321, 64, 65]),
+    (128, 8, 2, 64, 128, [419, 7]),
+])
+def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_group, value_group, lengths):
+    gen = torch.Generator().manual_seed(d + len(lengths))
+    cache, layer, q = build(gen, lengths, heads, kv_heads, d, key_group, value_group)
+    scaling = d ** -0.5
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
+                                             layer.value_mean, scaling)
+    poisoned = torch.full((len(lengths), heads, d), float("nan"), device=DEVICE)
+    empty = torch.empty
+    # Every work buffer starts as NaN too: a partial result the kernel forgets to write shows.
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype", torch.float32).is_floating_point else empty(*a, **k))
+    out = decode.decode_attention(q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE),
+                                  layer.value_rotation.to(DEVICE), layer.value_mean.to(DEVICE), scaling,
+                                  block_n=32, out=poisoned)
+    monkeypatch.undo()
+    out = out.cpu()
+    assert torch.isfinite(out).all()
+    err = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert err.max() < 1e-2, err
+
+
+def test_plan_splits_fills_the_machine():
+    chunk, splits = decode.plan_splits(batch=1, kv_heads=8, max_int2=100_000, block_n=64, num_sms=132)
+    assert chunk % 64 == 0 and (splits - 1) * chunk >= 100_000 and 8 * splits >= 4 * 132
+    chunk, splits = decode.plan_splits(batch=32, kv_heads=8, max_int2=0, block_n=64, num_sms=132)
+    assert splits == 1
