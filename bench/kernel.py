@@ -113,7 +113,7 @@ def bench_write(gen, bandwidth):
                 frac=nbytes / bandwidth / (ms * 1e-3), same=same)
 
 
-def render(rows, sweep, wr, bandwidth, default_name) -> str:
+def render(rows, sweep, wr, bandwidth) -> str:
     props = torch.cuda.get_device_properties(0)
     lines = [
         "# INT2 decode attention kernel vs bf16 SDPA",
@@ -130,21 +130,22 @@ def render(rows, sweep, wr, bandwidth, default_name) -> str:
         "over the copy bandwidth; 'of floor' = floor time / measured time",
         "- err: max over rows of ‖out − ref‖/‖ref‖ against kvstore.decode_attention_reference (float32)",
         "",
-        f"## Decode attention (variant `{default_name}`)",
+        "## Decode attention (default launch settings; 'asm' = PTX unpack, 'triton' = pure-Triton unpack)",
         "",
-        "| context | batch | bf16 SDPA ms | INT2 ms | speedup | INT2 MB | floor ms | of floor | err |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| context | batch | unpack | bf16 SDPA ms | INT2 ms | speedup | INT2 MB | floor ms | of floor | err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['context']} | {r['batch']} | {r['sdpa']:.4f} | {r['int2']:.4f} | {r['speedup']:.2f}x | "
-                     f"{r['mbytes']:.1f} | {r['floor']:.4f} | {r['frac']:.0%} | {r['err']:.1e} |")
+        lines.append(f"| {r['context']} | {r['batch']} | {r['variant']} | {r['sdpa']:.4f} | {r['int2']:.4f} | "
+                     f"{r['speedup']:.2f}x | {r['mbytes']:.1f} | {r['floor']:.4f} | {r['frac']:.0%} | {r['err']:.1e} |")
     lines += ["", "## Targets", ""]
     for context, batch, target in ((100_000, 32, 6.0), (100_000, 1, 4.0)):
-        hit = [r for r in rows if r["context"] == context and r["batch"] == batch]
+        hit = [r for r in rows if r["context"] == context and r["batch"] == batch and r["err"] < 1e-2]
         if hit:
-            s = hit[0]["speedup"]
-            verdict = "met" if s >= target else f"MISSED by {target / s:.2f}x (needs {hit[0]['sdpa'] / target:.4f} ms)"
-            lines.append(f"- {context} tokens, batch {batch}: {s:.2f}x vs target {target:.0f}x: {verdict}")
+            best = max(hit, key=lambda r: r["speedup"])
+            s = best["speedup"]
+            verdict = "met" if s >= target else f"MISSED by {target / s:.2f}x (needs {best['sdpa'] / target:.4f} ms)"
+            lines.append(f"- {context} tokens, batch {batch} ({best['variant']}): {s:.2f}x vs target {target:.0f}x: {verdict}")
     if sweep:
         lines += ["", "## Variant sweep", "",
                   "| context | batch | variant | INT2 ms | speedup | of floor | err |", "|---|---|---|---|---|---|---|"]
@@ -168,14 +169,14 @@ def main():
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = make_layer(gen)
-    default = [("asm", {})]
+    default = [("asm", {}), ("triton", dict(use_asm=False))]
     rows = []
     for context in CONTEXTS:
         for batch in BATCHES:
             rows += bench_config(context, batch, layer, gen, bandwidth, default)
     sweep = []
     if args.sweep:
-        variants = [("pure-triton unpack", dict(use_asm=False))]
+        variants = []
         for bn in (64, 128):
             for nw in (4, 8):
                 for waves in (2, 4, 8):
@@ -184,7 +185,7 @@ def main():
             sweep += bench_config(100_000, batch, layer, gen, bandwidth, variants)
     wr = bench_write(gen, bandwidth)
     print(f"write: {wr}", flush=True)
-    text = render(rows, sweep, wr, bandwidth, "asm, defaults")
+    text = render(rows, sweep, wr, bandwidth)
     with open(args.out, "w") as f:
         f.write(text)
     print(text)
