@@ -12,6 +12,7 @@ A bundle is a directory `<zoo>/<org>/<model>/<version>/` with
 - manifest.json: the Manifest below; tensors.sha256 is the checksum of rotations.safetensors.
 """
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -136,7 +137,16 @@ def tensor_bytes(tensors: dict[str, torch.Tensor], manifest: Manifest) -> bytes:
     metadata = {"format": "pt", "oscar_schema": str(SCHEMA_VERSION), "name": manifest.name,
                 "version": manifest.version}
     contiguous = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in sorted(tensors.items())}
-    return save_safetensors(contiguous, metadata=metadata)
+    return canonical_header(save_safetensors(contiguous, metadata=metadata))
+
+
+def canonical_header(data: bytes) -> bytes:
+    """Rewrite a safetensors header with sorted keys: safetensors writes __metadata__ in hash order,
+    which changes from call to call, and a bundle must be the same bytes every time it is built."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:8 + n]), separators=(",", ":"), sort_keys=True).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data[8 + n:]
 
 
 def manifest_json(manifest: Manifest) -> str:
