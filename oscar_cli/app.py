@@ -16,6 +16,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def root() -> None:
+    """Build, verify and publish OSCAR rotation bundles for 2-bit (INT2) KV caches.
+
+    Pipeline: calibrate (statistics) → export (bundle) → verify / eval → push; `oscar zoo` rebuilds the zoo.
+    """
+
+
 from oscar_cli.commands import calibrate, export  # noqa: E402
 from oscar_cli.commands import push  # noqa: E402
 

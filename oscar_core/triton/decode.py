@@ -28,7 +28,7 @@ from oscar_core.kvstore import Int2KVCache, rotate_query
 
 LOG2E = 1.4426950408889634
 
-_UNPACK_ASM = """
+_UNPACK_ASM = tl.constexpr("""
 {
 .reg .b32 lo, hi, z;
 mov.b32 z, 0;
@@ -53,7 +53,7 @@ or.b32 $6, $6, 0x43004300;
 and.b32 $7, hi, 0x00300030;
 or.b32 $7, $7, 0x43004300;
 }
-"""
+""")
 
 
 @triton.jit

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-ROUND_MAGIC = 12582912.0  # 1.5·2^23: (x + M) − M rounds a float32 |x| < 2^22 to nearest, ties to even
+# 1.5·2^23: (x + M) − M rounds a float32 |x| < 2^22 to nearest, ties to even.
+ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -1,0 +1,56 @@
+"""oscar calibrate: gather attention statistics from a causal LM."""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from oscar_cli.ui import console, progress
+from oscar_core.calibration import CalibrationRequest, calibrate as run_calibration
+
+EXAMPLES = """
+Examples:
+
+  oscar calibrate --samples 8 --seq-len 512 --out runs/smollm2        # embedded default model and corpus
+
+  oscar calibrate Qwen/Qwen3-8B --data allenai/c4 --split validation --samples 256 --seq-len 4096 --device cuda --out runs/qwen3-8b
+
+  oscar calibrate ./my-model --data corpus/ --out runs/mine            # local directory, folder of .txt/.jsonl/.parquet
+
+  oscar calibrate model.Q8_0.gguf --data notes.jsonl --text-field body --out runs/gguf
+"""
+
+
+def calibrate(
+    model: Annotated[Optional[str], typer.Argument(help="Hub id, local model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Calibration directory (resumed if it exists).")] = ...,
+    data: Annotated[Optional[str], typer.Option(help="Hub dataset id, or a .txt/.jsonl/.parquet file or folder; default: Python's own documentation.")] = None,
+    split: Annotated[str, typer.Option(help="Dataset split (hub datasets).")] = "train",
+    text_field: Annotated[str, typer.Option(help="Text field of .jsonl/.parquet rows and hub datasets.")] = "text",
+    samples: Annotated[int, typer.Option(help="Number of token samples N.")] = 64,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sample L.")] = 2048,
+    batch_size: Annotated[int, typer.Option(help="Samples per forward pass.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed for drawing the samples.")] = 0,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda; default: cuda when available.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: float32 on CPU, bfloat16 on CUDA.")] = None,
+) -> None:
+    """Stream calibration text through MODEL and gather per-layer, per-KV-head attention statistics."""
+    req = CalibrationRequest(model=model, data=data, split=split, text_field=text_field, samples=samples,
+                             seq_len=seq_len, batch_size=batch_size, seed=seed, device=device, dtype=dtype)
+    with progress() as bar:
+        task = bar.add_task("loading model and data", total=samples, rate="")
+
+        def on_loaded(record: dict) -> None:
+            bar.update(task, description=f"calibrating {record['model']['id']}", completed=record["samples_done"])
+
+        def on_progress(done: int, total: int, tokens_per_s: float) -> None:
+            bar.update(task, completed=done, rate=f"{tokens_per_s:,.0f} tok/s")
+
+        record = run_calibration(req, out, on_progress=on_progress, on_loaded=on_loaded)
+    t = record.get("timings", {})
+    console.print(f"[green]calibrated[/] {record['model']['id']}: {record['samples_done']} samples × {record['seq_len']} "
+                  f"tokens ({record['tokens']:,} tokens), forward {t.get('forward_s', 0):.1f} s → {out}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate", epilog=EXAMPLES)(calibrate)

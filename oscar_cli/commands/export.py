@@ -1,0 +1,58 @@
+"""oscar export: derive rotations and clip thresholds, write a versioned bundle."""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from oscar_cli.ui import console, progress
+from oscar_core.derive import DeriveOptions
+from oscar_core.export import export_bundle
+
+EXAMPLES = """
+Examples:
+
+  oscar export runs/smollm2 --out zoo                       # zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1/
+
+  oscar export runs/qwen3-8b --version v2 --out /data/rotationzoo
+
+  oscar export runs/smollm2 --key-rotation hadamard --no-key-centering --out /tmp/ablation   # a baseline bundle
+"""
+
+
+def export(
+    calib_dir: Annotated[Path, typer.Argument(help="Directory written by oscar calibrate.")],
+    out: Annotated[Path, typer.Option("--out", help="Zoo root; the bundle goes to <out>/<org>/<model>/<version>/.")] = ...,
+    version: Annotated[str, typer.Option(help="Bundle version.")] = "v1",
+    name: Annotated[Optional[str], typer.Option(help="ORG/MODEL; default: from the model id.")] = None,
+    key_rotation: Annotated[str, typer.Option(help="none, hadamard, eigen, eigen-hadamard, oscar (U_Q·H·P_br), eigen-perm-blockhadamard.")] = "oscar",
+    value_rotation: Annotated[str, typer.Option(help="Same choices, with U = eigenbasis of C_S.")] = "oscar",
+    key_centering: Annotated[bool, typer.Option(help="Subtract the calibrated key mean (attention-invariant).")] = True,
+    value_centering: Annotated[bool, typer.Option(help="Subtract the value mean (added back to the output).")] = False,
+    group_size: Annotated[int, typer.Option(help="INT2 group size for keys and values.")] = 64,
+) -> None:
+    """Compute R_K = U_Q·H·P_br, R_V = U_S·H·P_br and calibrated clip thresholds; write a rotation bundle."""
+    opts = DeriveOptions(key_rotation=key_rotation, value_rotation=value_rotation, key_centering=key_centering,
+                         value_centering=value_centering, key_group_size=group_size, value_group_size=group_size)
+    with progress() as bar:
+        task = bar.add_task("deriving rotations", total=None, rate="layers")
+        path, manifest = export_bundle(calib_dir, out, version=version, name=name, opts=opts,
+                                       on_layer=lambda done, total: bar.update(task, completed=done, total=total))
+    q = manifest.quant
+    table = Table(title=f"{manifest.name} {manifest.version}")
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("keys", f"{manifest.rotation.key}{' (centred)' if manifest.rotation.key_centering else ''}, "
+                          f"group {q.key_group_size}, mean clip {q.key_clip:.3f}")
+    table.add_row("values", f"{manifest.rotation.value}{' (centred)' if manifest.rotation.value_centering else ''}, "
+                            f"group {q.value_group_size}, mean clip {q.value_clip:.3f}")
+    for context, bits in q.bits_per_element.items():
+        table.add_row(f"bits/element @ {int(context) // 1024}K", f"{bits:.3f}")
+    table.add_row("sha256", manifest.tensors.sha256[:16] + "…")
+    console.print(table)
+    console.print(f"[green]exported[/] {path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export", epilog=EXAMPLES)(export)

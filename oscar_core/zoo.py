@@ -1,0 +1,202 @@
+"""The zoo: one recipe per model, the bundles built from them, and a copy of every bundle's manifest.
+
+    zoo/recipes/<file>.toml          a Recipe: what to calibrate, how, and the bundle's name and version
+    zoo/<org>/<model>/<version>/     the bundle built from it (rotations.safetensors + manifest.json)
+    manifests/<org>/<model>/<version>.json   the bundle's manifest, byte for byte
+
+A recipe builds only where its model is available (the default model's package is installed, the
+directory exists, the hub weights are cached or the hub is reachable) and its device exists.
+A build is reproducible: `check` rebuilds into a temporary directory and compares bytes.
+"""
+
+import tempfile
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Manifest
+from oscar_core.errors import OscarError
+from oscar_core.fileio import atomic_write_bytes
+
+RECIPES_DIR = "recipes"
+BUNDLE_FILES = (TENSOR_FILE, MANIFEST_FILE)
+LOCAL_DATA = ("default", "default-heldout")
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    name: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="<org>/<model>: where the bundle lives in the zoo")
+    version: str = Field(pattern=r"^[\w.-]+$")
+    model: str = Field(description="hub id, directory or .gguf file; 'default' for the embedded default model")
+    data: str = "default"
+    split: str = "train"
+    text_field: str = "text"
+    samples: int = Field(gt=0)
+    seq_len: int = Field(gt=1)
+    seed: int = 0
+    batch_size: int = Field(1, gt=0)
+    device: str | None = None
+    dtype: str | None = None
+
+    def calibration_fields(self) -> dict:
+        return self.model_dump(exclude={"name", "version"})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one recipe: status is built, skipped, same, differs or missing."""
+    recipe: Recipe
+    status: str
+    detail: str = ""
+
+
+def bundle_path(zoo_root: Path, recipe: Recipe) -> Path:
+    return Path(zoo_root) / recipe.name / recipe.version
+
+
+def manifest_copy_path(manifests_root: Path, name: str, version: str) -> Path:
+    return Path(manifests_root) / name / f"{version}.json"
+
+
+def load_recipes(zoo_root: str | Path) -> list[Recipe]:
+    """Every recipe under zoo/recipes/, sorted by name; an unreadable one is an error naming its file."""
+    recipes = []
+    for path in sorted((Path(zoo_root) / RECIPES_DIR).glob("*.toml")):
+        try:
+            recipes.append(Recipe.model_validate(tomllib.loads(path.read_text())))
+        except tomllib.TOMLDecodeError as e:
+            raise OscarError(f"recipe {path}: not TOML ({e})") from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise OscarError(f"recipe {path}: {'.'.join(map(str, first['loc'])) or 'recipe'}: {first['msg']}") from None
+    names = [(r.name, r.version) for r in recipes]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate:
+        raise OscarError(f"two recipes build {duplicate[0]} {duplicate[1]}")
+    return sorted(recipes, key=lambda r: (r.name, r.version))
+
+
+def read_manifests(manifests_root: str | Path) -> list[Manifest]:
+    """The manifest copies under manifests/, sorted by name and version."""
+    out = []
+    for path in sorted(Path(manifests_root).glob("*/*/*.json")):
+        try:
+            out.append(Manifest.model_validate_json(path.read_text()))
+        except ValidationError as e:
+            raise OscarError(f"invalid manifest copy {path}: {e.errors()[0]['msg']}") from None
+    return sorted(out, key=lambda m: (m.name, m.version))
+
+
+@cache
+def hub_reachable() -> bool:
+    """Whether the Hugging Face Hub answers (one quick request, remembered for the process)."""
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().model_info("HuggingFaceTB/SmolLM2-135M-Instruct", timeout=5)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: not reachable from here
+        return False
+
+
+def missing_requirements(recipe: Recipe) -> list[str]:
+    """What this machine lacks to build the recipe, in words; empty when it can build it."""
+    import torch
+
+    from oscar_core.models import resolve
+
+    missing = []
+    if (recipe.device or "").startswith("cuda") and not torch.cuda.is_available():
+        missing.append("a CUDA GPU")
+    try:
+        target, _, weights = resolve(recipe.model)
+    except OscarError as e:
+        missing.append(str(e))
+    else:
+        if weights is None and not Path(target).is_dir() and not in_hf_cache(target) and not hub_reachable():
+            missing.append(f"{target} (not in the local Hugging Face cache, and the hub is unreachable)")
+    if recipe.data not in LOCAL_DATA and not Path(recipe.data).expanduser().exists() and not hub_reachable():
+        missing.append(f"the network, to stream {recipe.data}")
+    return missing
+
+
+def in_hf_cache(model_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(model_id, "config.json"), str)
+
+
+def build_one(recipe: Recipe, zoo_root: Path, manifests_root: Path, work_dir: Path,
+              on_progress: Callable[[int, int, float], None] | None = None) -> Path:
+    """Calibrate, export the bundle into zoo_root and copy its manifest into manifests_root."""
+    from oscar_core.calibration import CalibrationRequest, calibrate
+    from oscar_core.export import export_bundle
+
+    calib_dir = Path(work_dir) / recipe.name.replace("/", "--")
+    calibrate(CalibrationRequest(**recipe.calibration_fields()), calib_dir, on_progress=on_progress)
+    path, _ = export_bundle(calib_dir, zoo_root, recipe.version, name=recipe.name)
+    atomic_write_bytes(manifest_copy_path(manifests_root, recipe.name, recipe.version),
+                       (path / MANIFEST_FILE).read_bytes())
+    return path
+
+
+def build(zoo_root: str | Path, manifests_root: str | Path,
+          on_start: Callable[[Recipe], None] | None = None,
+          on_progress: Callable[[int, int, float], None] | None = None) -> list[Outcome]:
+    """Rebuild every recipe this machine can build; the others are skipped with the reason."""
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="oscar-zoo-") as work:
+        for recipe in load_recipes(zoo_root):
+            missing = missing_requirements(recipe)
+            if missing:
+                outcomes.append(Outcome(recipe, "skipped", "needs " + " and ".join(missing)))
+                continue
+            if on_start:
+                on_start(recipe)
+            path = build_one(recipe, Path(zoo_root), Path(manifests_root), Path(work), on_progress)
+            outcomes.append(Outcome(recipe, "built", str(path)))
+    return outcomes
+
+
+def differences(committed: Path, rebuilt: Path) -> list[str]:
+    """The bundle files that are not byte-for-byte equal (or absent on one side)."""
+    out = []
+    for name in BUNDLE_FILES:
+        a, b = committed / name, rebuilt / name
+        if not a.is_file():
+            out.append(f"{name} is not committed")
+        elif not b.is_file() or a.read_bytes() != b.read_bytes():
+            out.append(f"{name} differs")
+    return out
+
+
+def check(zoo_root: str | Path, manifests_root: str | Path,
+          on_start: Callable[[Recipe], None] | None = None,
+          on_progress: Callable[[int, int, float], None] | None = None) -> list[Outcome]:
+    """Rebuild every buildable recipe into a temporary zoo and compare it, byte for byte, with the committed one."""
+    zoo_root, manifests_root = Path(zoo_root), Path(manifests_root)
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="oscar-zoo-check-") as tmp:
+        tmp = Path(tmp)
+        for recipe in load_recipes(zoo_root):
+            missing = missing_requirements(recipe)
+            if missing:
+                outcomes.append(Outcome(recipe, "skipped", "needs " + " and ".join(missing)))
+                continue
+            committed = bundle_path(zoo_root, recipe)
+            if not committed.is_dir():
+                outcomes.append(Outcome(recipe, "missing", f"{committed} is not built: run oscar zoo build"))
+                continue
+            if on_start:
+                on_start(recipe)
+            rebuilt = build_one(recipe, tmp / "zoo", tmp / "manifests", tmp / "work", on_progress)
+            diff = differences(committed, rebuilt)
+            copy = manifest_copy_path(manifests_root, recipe.name, recipe.version)
+            if not copy.is_file() or copy.read_bytes() != (committed / MANIFEST_FILE).read_bytes():
+                diff.append(f"{copy} is not a copy of the committed manifest")
+            outcomes.append(Outcome(recipe, "differs" if diff else "same", "; ".join(diff)))
+    return outcomes
