@@ -8,16 +8,17 @@ merges the slices, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, and return
 o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
 
 INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
-values u_i = 128 + m_i·code_i, m = (1, 4, 16, 16), by or-ing the masked bits into the mantissa of
-128.0 (0x4300): no integer-to-float conversion. With x̂ = step·(code + z/4) per token and group g:
-  keys:   q̃·k̂ = Σ_g step_g · (Σ_i (q̃_i/m_i)·u_i − 128·Σ_i Σ q̃_i/m_i + z_g/4 · Σ_{c∈g} q̃_c)
-  values: Σ_n p_n v̂_n[c] = (Σ_n a_n u_i[n] − 128·Σ_n a_n)/m_i + Σ_n a_n z_n/4,  a_n = p_n·step_g[n]
+values u_i = m_i·code_i, m = (1, 4, 16, 16) (see _unpack: no integer-to-float conversion). With
+x̂ = step·(code + z/4) per token and group g:
+  keys:   q̃·k̂ = Σ_g step_g · (Σ_i Σ_{j∈g} (q̃_{4j+i}/m_i)·u_i[j] + z_g/4 · Σ_{c∈g} q̃_c)
+  values: Σ_n p_n v̂_n[4j+i] = (Σ_n a_n u_i[n, j])/m_i + Σ_n a_n z_n/4,  a_n = p_n·step_g[n]
 so the products run on raw codes and the scale and zero apply to the small score / output tiles.
 The groups of a head are stacked as extra rows (row = g·HGP + r): key rows carry the query restricted
 to group g, value rows carry a = p·step_g; the rows of each group are summed (keys) or the columns
 of group g picked (values) afterwards.
 """
 
+import functools
 import math
 
 import torch
@@ -30,45 +31,58 @@ LOG2E = 1.4426950408889634
 
 _UNPACK_ASM = tl.constexpr("""
 {
-.reg .b32 lo, hi, z;
+.reg .b32 lo, hi, z, one, neg;
 mov.b32 z, 0;
+mov.b32 one, 0x3F803F80;
+mov.b32 neg, 0xC300C300;
 prmt.b32 lo, $8, z, 0x4140;
 prmt.b32 hi, $8, z, 0x4342;
 and.b32 $0, lo, 0x00030003;
 or.b32 $0, $0, 0x43004300;
+fma.rn.bf16x2 $0, $0, one, neg;
 and.b32 $1, hi, 0x00030003;
 or.b32 $1, $1, 0x43004300;
+fma.rn.bf16x2 $1, $1, one, neg;
 and.b32 $2, lo, 0x000c000c;
 or.b32 $2, $2, 0x43004300;
+fma.rn.bf16x2 $2, $2, one, neg;
 and.b32 $3, hi, 0x000c000c;
 or.b32 $3, $3, 0x43004300;
+fma.rn.bf16x2 $3, $3, one, neg;
 and.b32 $4, lo, 0x00300030;
 or.b32 $4, $4, 0x43004300;
+fma.rn.bf16x2 $4, $4, one, neg;
 and.b32 $5, hi, 0x00300030;
 or.b32 $5, $5, 0x43004300;
+fma.rn.bf16x2 $5, $5, one, neg;
 shr.b32 lo, lo, 2;
 shr.b32 hi, hi, 2;
 and.b32 $6, lo, 0x00300030;
 or.b32 $6, $6, 0x43004300;
+fma.rn.bf16x2 $6, $6, one, neg;
 and.b32 $7, hi, 0x00300030;
 or.b32 $7, $7, 0x43004300;
+fma.rn.bf16x2 $7, $7, one, neg;
 }
 """)
 
 
 @triton.jit
 def _unpack(packed, USE_ASM: tl.constexpr):
-    """uint8 bytes -> four bf16 tensors u_i = 128 + m_i·((byte >> 2i) & 3), m = (1, 4, 16, 16)."""
+    """uint8 bytes -> four bf16 tensors u_i = m_i·((byte >> 2i) & 3), m = (1, 4, 16, 16).
+
+    The PTX path ors the masked bits into the mantissa of 128.0 (0x4300) and subtracts 128 in packed
+    bf16 (exact): 2 prmt + 8 lop3 + 2 shifts + 8 bf16x2 fma per 16 codes, no int-to-float conversion."""
     if USE_ASM:
         u0, u1, u2, u3 = tl.inline_asm_elementwise(
             _UNPACK_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
             dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        p = packed.to(tl.int16)
-        u0 = ((p & 3) | 0x4300).to(tl.bfloat16, bitcast=True)
-        u1 = ((p & 12) | 0x4300).to(tl.bfloat16, bitcast=True)
-        u2 = ((p & 48) | 0x4300).to(tl.bfloat16, bitcast=True)
-        u3 = (((p >> 2) & 48) | 0x4300).to(tl.bfloat16, bitcast=True)
+        # Through float32: the interpreter converts integers to bf16 wrongly (triton 3.9).
+        u0 = (packed & 3).to(tl.float32).to(tl.bfloat16)
+        u1 = (packed & 12).to(tl.float32).to(tl.bfloat16)
+        u2 = (packed & 48).to(tl.float32).to(tl.bfloat16)
+        u3 = ((packed >> 2) & 48).to(tl.float32).to(tl.bfloat16)
     return u0, u1, u2, u3
 
 
@@ -141,7 +155,6 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
     q3 = (tl.load(q_ptr + qoff + 3, mask=qmask, other=0.0).to(tl.float32) * 0.0625).to(tl.bfloat16)
     f0, f1, f2, f3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
     q_sum = tl.reshape(tl.sum(f0 + 4.0 * f1 + 16.0 * (f2 + f3), axis=1), [NGK, HGP, 1])
-    q_128 = tl.reshape(128.0 * tl.sum(f0 + f1 + f2 + f3, axis=1), [NGK, HGP, 1])
 
     gk = tl.arange(0, NGK)
     gv = tl.arange(0, NGV)
@@ -150,7 +163,6 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
     vmeta0 = bh.to(tl.int64) * T * NGV
     m = tl.full([HGP], -1e30, tl.float32)
     l = tl.zeros([HGP], tl.float32)
-    a_sum = tl.zeros([NGV, HGP], tl.float32)
     z_sum = tl.zeros([NGV, HGP], tl.float32)
     acc0 = tl.zeros([MV, DB], tl.float32)
     acc1 = tl.zeros([MV, DB], tl.float32)
@@ -169,7 +181,7 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
         kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
         kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
         s3 = tl.reshape(s, [NGK, HGP, BLOCK_N])
-        x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum - q_128), axis=0)
+        x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum), axis=0)
         x = tl.where(valid[None, :], x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -184,7 +196,6 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
         vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
         a3f = p[None, :, :] * vstep[:, None, :]
         a3 = a3f.to(tl.bfloat16)
-        a_sum = a_sum * alpha[None, :] + tl.sum(a3.to(tl.float32), axis=2)
         z_sum = z_sum * alpha[None, :] + tl.sum(a3f * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
         a = tl.reshape(a3, [MV, BLOCK_N])
         alpha_rows = tl.reshape(tl.broadcast_to(alpha[None, :], [NGV, HGP]), [MV])[:, None]
@@ -193,20 +204,19 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
         acc2 = _dot(a, w2, acc2 * alpha_rows, F32)
         acc3 = _dot(a, w3, acc3 * alpha_rows, F32)
 
-    # Output channel 4j+i of head r: rows (g(j), r) of acc_i, less the 128 offset, plus the zero term.
+    # Output channel 4j+i of head r: row (g(j), r) of acc_i / m_i, plus the zero term.
     pick = (j // (GV // 4))[None, None, :] == gv[:, None, None]
-    a128 = (128.0 * a_sum)[:, :, None]
     zt = z_sum[:, :, None]
     r = tl.arange(0, HGP)
     out = po_ptr + (slot * HG + r)[:, None] * D + 4 * j[None, :]
     omask = (r < HG)[:, None]
-    o = tl.sum(tl.where(pick, tl.reshape(acc0, [NGV, HGP, DB]) - a128 + zt, 0.0), axis=0)
+    o = tl.sum(tl.where(pick, tl.reshape(acc0, [NGV, HGP, DB]) + zt, 0.0), axis=0)
     tl.store(out, o, mask=omask)
-    o = tl.sum(tl.where(pick, (tl.reshape(acc1, [NGV, HGP, DB]) - a128) * 0.25 + zt, 0.0), axis=0)
+    o = tl.sum(tl.where(pick, tl.reshape(acc1, [NGV, HGP, DB]) * 0.25 + zt, 0.0), axis=0)
     tl.store(out + 1, o, mask=omask)
-    o = tl.sum(tl.where(pick, (tl.reshape(acc2, [NGV, HGP, DB]) - a128) * 0.0625 + zt, 0.0), axis=0)
+    o = tl.sum(tl.where(pick, tl.reshape(acc2, [NGV, HGP, DB]) * 0.0625 + zt, 0.0), axis=0)
     tl.store(out + 2, o, mask=omask)
-    o = tl.sum(tl.where(pick, (tl.reshape(acc3, [NGV, HGP, DB]) - a128) * 0.0625 + zt, 0.0), axis=0)
+    o = tl.sum(tl.where(pick, tl.reshape(acc3, [NGV, HGP, DB]) * 0.0625 + zt, 0.0), axis=0)
     tl.store(out + 3, o, mask=omask)
     tl.store(pm_ptr + slot * HG + r, m, mask=r < HG)
     tl.store(pl_ptr + slot * HG + r, l, mask=r < HG)
@@ -268,6 +278,11 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
     tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -283,7 +298,7 @@ def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms:
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
                      value_rotation: torch.Tensor, value_mean: torch.Tensor | None, scaling: float,
-                     max_length: int | None = None, block_n: int = 64, block_w: int = 64,
+                     max_length: int | None = None, block_n: int = 128, block_w: int = 64,
                      num_warps: int = 4, num_stages: int = 2, waves: int = 4, use_asm: bool | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
@@ -303,13 +318,12 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     if max_length is None:
         max_length = int(cache.lengths.max())
     max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    chunk, ns = plan_splits(bsz, kv_heads, max_int2, block_n, num_sms, waves)
+    chunk, ns = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves)
 
     q_rot = rotate_query(q, key_rotation).to(torch.bfloat16).contiguous()
-    po = torch.empty(bsz * kv_heads, ns, hg, d, dtype=torch.float32, device=q.device)
-    pm = torch.empty(bsz * kv_heads, ns, hg, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
+    work = torch.empty(bsz * kv_heads * ns * hg * (d + 2), dtype=torch.float32, device=q.device)
+    split = bsz * kv_heads * ns * hg
+    po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):]
     scale_log2 = scaling * LOG2E
     _split_kernel[(ns, bsz * kv_heads)](
         q_rot, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
