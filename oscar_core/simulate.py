@@ -1,0 +1,107 @@
+"""Teacher-forced INT2 attention: every query sees exactly what an INT2 cache would give it at decode time.
+
+    with simulate_int2(model, "oscar", bundle):
+        logits = model(ids).logits          # one forward, any length the model allows
+
+For query position p of a layer with keys/values K, V (post-RoPE, as the attention interface has them):
+    K_bf = bf16(K)                                   what the cache stores
+    K̂    = methods.fake(side, K_bf)                  what its INT2 write path gives back
+    key t as read by p = K̂_t if INT2(p, t) else K_bf_t,   INT2(p, t) = t ≥ S and last(t) ≤ p − W
+(methods.int2_mask; S = 64 sink tokens, W = 256 recent tokens), and the same for values; then causal
+softmax attention in float32. The bf16 method reads K_bf, V_bf everywhere.
+
+Queries go in chunks [a, b): keys that are INT2 for every query of the chunk (last(t) ≤ a − W) are
+read once from K̂; the sink and the band of keys near the chunk are read twice, exact and INT2, and a
+mask picks one of the two columns per query. Scores are [chunk, S + a + 2·(band)] per head.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+from oscar_core import methods
+
+ATTENTION_NAME = "oscar_simulate"
+CHUNK = 256
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+def _int2(side: methods.Side | None, x: torch.Tensor, sink: int) -> torch.Tensor:
+    """x as the INT2 write path gives it back; token blocks start after the sink, as in the cache."""
+    if side is None:
+        return x
+    return torch.cat([x[:, :, :sink], methods.fake(side, x[:, :, sink:])], dim=2)
+
+
+def simulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lm: methods.LayerMethod,
+                        scaling: float, sink: int, recent: int, chunk: int = CHUNK) -> torch.Tensor:
+    """Attention output [B, H, T_q, d] (float32) of queries [B, H, T_q, d] at the last T_q positions of
+    keys/values [B, H_kv, T, d], each reading the cache as it would be when that query is decoded."""
+    bsz, heads, tq, d = query.shape
+    kv_heads, t = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    k_bf, v_bf = _bf16(key), _bf16(value)
+    if lm.key is None and lm.value is None and tq == t:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query.float(), k_bf, v_bf, is_causal=True, scale=scaling, enable_gqa=group > 1)
+    k_q, v_q = _int2(lm.key, k_bf, sink), _int2(lm.value, v_bf, sink)
+    q = query.float().reshape(bsz, kv_heads, group, tq, d)
+    out = torch.empty(bsz, kv_heads, group, tq, d, dtype=torch.float32, device=query.device)
+    blocks = [s.token_block for s in (lm.key, lm.value) if s is not None] or [1]
+    for start in range(0, tq, chunk):
+        stop = min(start + chunk, tq)
+        pos = torch.arange(start, stop, device=query.device) + (t - tq)
+        first, last = int(pos[0]), int(pos[-1])
+        # Keys in [sink, lo) are INT2 for every query of the chunk: last(t) ≤ t + b − 1 ≤ first − recent.
+        s = min(sink, last + 1)
+        lo = min(max(s, first - recent - max(blocks) + 2), last + 1)
+        cols = torch.cat([torch.arange(s, device=query.device), torch.arange(lo, last + 1, device=query.device)])
+        mk = methods.int2_mask(pos, last + 1, lm.key, sink, recent)[:, cols]
+        mv = methods.int2_mask(pos, last + 1, lm.value, sink, recent)[:, cols]
+        keys = torch.cat([k_q[:, :, s:lo], k_bf[:, :, cols], k_q[:, :, cols]], dim=2)
+        scores = scaling * (q[:, :, :, start:stop] @ keys[:, :, None].mT)     # [B, H_kv, G, n, keys]
+        far, exact, int2 = scores.split([lo - s, len(cols), len(cols)], dim=-1)
+        # One score per band key: against the exact or the INT2 key, whichever the cache holds for this query.
+        band = torch.where(mk, int2, exact).masked_fill(cols[None, :] > pos[:, None], float("-inf"))
+        probs = torch.softmax(torch.cat([far, band], dim=-1), dim=-1)
+        p_far, p_band = probs.split([lo - s, len(cols)], dim=-1)
+        o = p_far @ v_q[:, :, None, s:lo]
+        o = o + (p_band * ~mv) @ v_bf[:, :, None, cols] + (p_band * mv) @ v_q[:, :, None, cols]
+        out[:, :, :, start:stop] = o
+    return out.reshape(bsz, heads, tq, d)
+
+
+@contextmanager
+def simulate_int2(model, method: str, bundle=None, sink_tokens: int | None = None,
+                  recent_tokens: int | None = None, chunk: int = CHUNK):
+    """Route every attention layer of `model` through simulated_attention for `method` (methods.METHODS).
+
+    The model must be called without padding (one full window per row); with a past cache the queries
+    are taken to be the last positions. sink/recent default to the bundle's windows (else 64 and 256).
+    """
+    from transformers import AttentionInterface
+
+    methods.check_method(method)
+    sink, recent = methods.windows(method, bundle)
+    sink = sink if sink_tokens is None else sink_tokens
+    recent = recent if recent_tokens is None else recent_tokens
+    per_layer: dict[int, methods.LayerMethod] = {}
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        i = module.layer_idx
+        if i not in per_layer:
+            per_layer[i] = methods.layer_method(method, i, key.shape[1], key.shape[-1], bundle)
+        scaling = scaling or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        out = simulated_attention(query, key, value, per_layer[i], float(scaling), sink, recent, chunk)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(ATTENTION_NAME, attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
