@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from oscar_core.bundle import MANIFEST_FILE, Manifest, load_bundle, manifest_json
+from oscar_core.bundle import MANIFEST_FILE, Manifest, load_bundle
 from oscar_core.card import model_card
 from oscar_core.errors import OscarError
 from oscar_core.fileio import sha256_bytes
@@ -82,11 +82,13 @@ def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, pri
         raise OscarError(f"--repo must look like ORG/NAME, got {repo!r}")
     loaded = load_bundle(bundle)
     manifest = loaded.manifest
+    # Upload the bytes that were verified: reread, and refuse if the bundle changed meanwhile.
     tensor_data = (loaded.path / manifest.tensors.file).read_bytes()
-    if sha256_bytes(tensor_data) != manifest.tensors.sha256:
-        raise OscarError(f"{loaded.path / manifest.tensors.file} changed while it was being read")
+    manifest_data = (loaded.path / MANIFEST_FILE).read_bytes()
+    if sha256_bytes(tensor_data) != manifest.tensors.sha256 or Manifest.model_validate_json(manifest_data) != manifest:
+        raise OscarError(f"bundle {loaded.path} changed while it was being read")
     files = (UploadFile(manifest.tensors.file, tensor_data),
-             UploadFile(MANIFEST_FILE, manifest_json(manifest).encode()),
+             UploadFile(MANIFEST_FILE, manifest_data),
              UploadFile(CARD_FILE, model_card(manifest, hub, repo).encode()))
     return Plan(hub, repo, revision, private, manifest, files)
 

@@ -104,24 +104,28 @@ def hub_reachable() -> bool:
 
 
 def missing_requirements(recipe: Recipe) -> list[str]:
-    """What this machine lacks to build the recipe, in words; empty when it can build it."""
+    """Why this machine cannot build the recipe, one phrase per reason; empty when it can."""
     import torch
 
     from oscar_core.models import resolve
 
     missing = []
     if (recipe.device or "").startswith("cuda") and not torch.cuda.is_available():
-        missing.append("a CUDA GPU")
+        missing.append("no CUDA GPU")
     try:
         target, _, weights = resolve(recipe.model)
     except OscarError as e:
         missing.append(str(e))
     else:
         if weights is None and not Path(target).is_dir() and not in_hf_cache(target) and not hub_reachable():
-            missing.append(f"{target} (not in the local Hugging Face cache, and the hub is unreachable)")
+            missing.append(f"{target} is not in the local Hugging Face cache and the hub is unreachable")
     if recipe.data not in LOCAL_DATA and not Path(recipe.data).expanduser().exists() and not hub_reachable():
-        missing.append(f"the network, to stream {recipe.data}")
+        missing.append(f"data {recipe.data} streams from the hub, which is unreachable")
     return missing
+
+
+def skip_reason(missing: list[str]) -> str:
+    return "not available here: " + "; ".join(missing)
 
 
 def in_hf_cache(model_id: str) -> bool:
@@ -153,7 +157,7 @@ def build(zoo_root: str | Path, manifests_root: str | Path,
         for recipe in load_recipes(zoo_root):
             missing = missing_requirements(recipe)
             if missing:
-                outcomes.append(Outcome(recipe, "skipped", "needs " + " and ".join(missing)))
+                outcomes.append(Outcome(recipe, "skipped", skip_reason(missing)))
                 continue
             if on_start:
                 on_start(recipe)
@@ -185,7 +189,7 @@ def check(zoo_root: str | Path, manifests_root: str | Path,
         for recipe in load_recipes(zoo_root):
             missing = missing_requirements(recipe)
             if missing:
-                outcomes.append(Outcome(recipe, "skipped", "needs " + " and ".join(missing)))
+                outcomes.append(Outcome(recipe, "skipped", skip_reason(missing)))
                 continue
             committed = bundle_path(zoo_root, recipe)
             if not committed.is_dir():

@@ -101,7 +101,7 @@ def test_missing_requirements_name_what_this_machine_lacks(tmp_path):
     recipes = {r.name: r for r in zoo.load_recipes(tmp_path)}
     assert zoo.missing_requirements(recipes["a/gone"]) == [f"model path not found: {tmp_path / 'no-such-model'}"]
     gpu = zoo.missing_requirements(recipes["a/gpu"])
-    assert ("a CUDA GPU" in gpu) == (not torch.cuda.is_available())
+    assert ("no CUDA GPU" in gpu) == (not torch.cuda.is_available())
 
 
 def test_differences_compare_bytes(tmp_path):
@@ -126,7 +126,7 @@ def test_build_then_check_then_tamper(tiny_model, roots, tmp_path, capfd, monkey
 
     code, out = oscar(capfd, monkeypatch, "zoo", "build", *args)
     assert code == 0, out
-    assert "built local/tiny v1" in out and "skipped a/elsewhere v1: needs model path not found" in out
+    assert "built local/tiny v1" in out and "skipped a/elsewhere v1: not available here: model path not found" in out
     bundle = zoo_root / "local" / "tiny" / "v1"
     copy = manifests / "local" / "tiny" / "v1.json"
     assert copy.read_bytes() == (bundle / MANIFEST_FILE).read_bytes()
@@ -137,7 +137,7 @@ def test_build_then_check_then_tamper(tiny_model, roots, tmp_path, capfd, monkey
 
     monkeypatch.setenv("COLUMNS", "400")
     code, out = oscar(capfd, monkeypatch, "zoo", "list", *args)
-    assert code == 0 and "corpus.txt · 2×32 · seed 0" in out
+    assert code == 0 and "corpus.txt 2×32 seed 0" in out
     assert "local/tiny" in out and "a/elsewhere" in out and "not built" in out
 
     data = bytearray((bundle / TENSOR_FILE).read_bytes())
@@ -159,6 +159,6 @@ def test_list_shows_bits_calibration_and_verify_figures(roots, capfd, monkeypatc
     code, out = oscar(capfd, monkeypatch, "zoo", "list", "--zoo", str(zoo_root), "--manifests", str(manifests))
     assert code == 0, out
     row = next(line for line in out.splitlines() if "oscar-test/tiny-llama" in line)
-    for text in ("v1", f"{m.quant.bits_per_element['131072']:.3f}", "pydoc_data · 8×512 · seed 0",
+    for text in ("v1", f"{m.quant.bits_per_element['131072']:.3f}", "pydoc_data 8×512 seed 0",
                  "hadamard_logit_error 0.289", "logit_error 0.231"):
         assert text in row, text

@@ -21,18 +21,19 @@ ManifestsDir = Annotated[Path, typer.Option("--manifests", help="Directory of th
 def list_zoo(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
     """Show every bundle of the zoo, and every recipe not built yet."""
     built = zoo_core.read_manifests(manifests)
-    table = Table("bundle", "model", "version", "bits/elem @128K", "calibration", "verify")
+    table = Table()
+    for header in ("model", "version", "bits @128K", "calibration", "verify"):
+        table.add_column(header, overflow="fold")
     for m in built:
         bits = m.quant.bits_per_element.get("131072")
         c = m.calibration
         verify = ", ".join(f"{k} {v:.4g}" for k, v in sorted((m.fidelity or {}).items())) or "-"
-        table.add_row(m.name, m.model.id, m.version, f"{bits:.3f}" if bits is not None else "-",
-                      f"{c.data} · {c.samples}×{c.seq_len} · seed {c.seed}", verify)
+        table.add_row(m.name, m.version, f"{bits:.3f}" if bits is not None else "-",
+                      f"{c.data} {c.samples}×{c.seq_len} seed {c.seed}", verify)
     have = {(m.name, m.version) for m in built}
     for r in zoo_core.load_recipes(zoo):
         if (r.name, r.version) not in have:
-            table.add_row(r.name, r.model, r.version, "-", f"{r.data} · {r.samples}×{r.seq_len} · seed {r.seed}",
-                          "not built")
+            table.add_row(r.name, r.version, "-", f"{r.data} {r.samples}×{r.seq_len} seed {r.seed}", "not built")
     console.print(table)
 
 
