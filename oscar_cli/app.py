@@ -26,12 +26,11 @@ def root() -> None:
     """
 
 
-from oscar_cli.commands import calibrate, export  # noqa: E402
-from oscar_cli.commands import push  # noqa: E402
-from oscar_cli.commands import zoo  # noqa: E402
+from oscar_cli.commands import calibrate, export, push, verify, zoo  # noqa: E402
 
 calibrate.register(app)
 export.register(app)
+verify.register(app)
 push.register(app)
 zoo.register(app)
 

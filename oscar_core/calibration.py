@@ -80,11 +80,11 @@ def _save(calib_dir: Path, stats: AttentionStatistics, done: int, record: dict) 
 
 def calibrate(req: CalibrationRequest, out_dir: str | Path,
               on_progress: Callable[[int, int, float], None] | None = None,
-              on_loaded: Callable[[dict], None] | None = None) -> dict:
+              on_loaded: Callable[[dict], None] | None = None, loaded=None) -> dict:
     """Run (or resume) a calibration into out_dir; returns the provenance record.
 
     on_loaded(record) is called once the model and samples are ready; on_progress(done, total,
-    tokens_per_s) after every batch.
+    tokens_per_s) after every batch. `loaded` (models.LoadedModel) skips loading req.model.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -93,7 +93,7 @@ def calibrate(req: CalibrationRequest, out_dir: str | Path,
         raise OscarError("--samples, --seq-len and --batch-size must be positive (seq-len at least 2)")
     device = resolve_device(req.device)
     t0 = time.perf_counter()
-    loaded = load_model(req.model, device, req.dtype)
+    loaded = loaded or load_model(req.model, device, req.dtype)
     info = loaded.info
     if info.max_position_embeddings and req.seq_len > info.max_position_embeddings:
         raise OscarError(f"--seq-len {req.seq_len} is above the model's limit of {info.max_position_embeddings} tokens")

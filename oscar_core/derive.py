@@ -74,23 +74,32 @@ def search_clip(errors_at, grid) -> torch.Tensor:
     return torch.tensor(grid, dtype=torch.float64)[errors.argmin(0)]
 
 
+def derive_keys(stats, layer: int, variant: str, centering: bool, group_size: int, sink_tokens: int,
+                grid=CLIP_GRID) -> dict[str, torch.Tensor]:
+    """R_K, c_K and (if centering) μ_K of one layer."""
+    c_q = stats.query_covariance(layer)
+    r = rotation(variant, c_q, group_size)
+    mean = stats.key_mean(layer) if centering else None
+    keys = stats.probe(layer)["key"]
+    clip = search_clip(lambda c: key_errors(keys, r, mean, c_q, c, group_size, sink_tokens), grid)
+    return {"key_rotation": r, "key_clip": clip, **({"key_mean": mean} if mean is not None else {})}
+
+
+def derive_values(stats, layer: int, variant: str, centering: bool, group_size: int, sink_tokens: int,
+                  grid=CLIP_GRID) -> dict[str, torch.Tensor]:
+    """R_V, c_V and (if centering) μ_V of one layer."""
+    r = rotation(variant, stats.score_weighted_value_covariance(layer), group_size)
+    mean = stats.value_mean(layer) if centering else None
+    p = stats.probe(layer)
+    scaling = float(stats.acc["scaling"][layer])
+    clip = search_clip(lambda c: value_errors(p["query"], p["key"], p["value"], p["positions"], r, mean, c,
+                                              group_size, sink_tokens, scaling), grid)
+    return {"value_rotation": r, "value_clip": clip, **({"value_mean": mean} if mean is not None else {})}
+
+
 def derive_layer(stats, layer: int, opts: DeriveOptions) -> dict[str, torch.Tensor]:
     """The bundle tensors of one layer (names without the `layers.{i}.` prefix), float64."""
-    c_q, c_s = stats.query_covariance(layer), stats.score_weighted_value_covariance(layer)
-    r_k = rotation(opts.key_rotation, c_q, opts.key_group_size)
-    r_v = rotation(opts.value_rotation, c_s, opts.value_group_size)
-    mu_k = stats.key_mean(layer) if opts.key_centering else None
-    mu_v = stats.value_mean(layer) if opts.value_centering else None
-    probe = stats.probe(layer)
-    scaling = float(stats.acc["scaling"][layer])
-    key_clip = search_clip(lambda c: key_errors(probe["key"], r_k, mu_k, c_q, c, opts.key_group_size,
-                                                opts.sink_tokens), opts.clip_grid)
-    value_clip = search_clip(lambda c: value_errors(probe["query"], probe["key"], probe["value"], probe["positions"],
-                                                    r_v, mu_v, c, opts.value_group_size, opts.sink_tokens, scaling),
-                             opts.clip_grid)
-    out = {"key_rotation": r_k, "value_rotation": r_v, "key_clip": key_clip, "value_clip": value_clip}
-    if mu_k is not None:
-        out["key_mean"] = mu_k
-    if mu_v is not None:
-        out["value_mean"] = mu_v
-    return out
+    return {**derive_keys(stats, layer, opts.key_rotation, opts.key_centering, opts.key_group_size,
+                          opts.sink_tokens, opts.clip_grid),
+            **derive_values(stats, layer, opts.value_rotation, opts.value_centering, opts.value_group_size,
+                            opts.sink_tokens, opts.clip_grid)}

@@ -1,7 +1,9 @@
 """Load a causal LM (hub id, local directory or .gguf file) and read its attention facts."""
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -128,7 +130,6 @@ def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own tqdm bar; we draw ours with rich
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
 
@@ -137,8 +138,9 @@ def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, attn_implementation="sdpa",
-                                                     **kwargs)
+        with contextlib.redirect_stderr(io.StringIO()):  # the GGUF loader draws its own tqdm bar
+            model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype,
+                                                         attn_implementation="sdpa", **kwargs)
     except OscarError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError, EnvironmentError) as e:

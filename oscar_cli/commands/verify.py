@@ -1,0 +1,131 @@
+"""oscar verify: check a bundle and measure the attention error its INT2 cache causes."""
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from oscar_cli.ui import console, err_console
+from oscar_core.bundle import load_bundle
+from oscar_core.data import DEFAULT_HELDOUT, load_samples
+from oscar_core.errors import OscarError
+from oscar_core.fileio import atomic_write_json
+from oscar_core.models import load_model, resolve_device
+from oscar_core.verify import check_model, check_tensors, first_failure, resolve_model_spec, verify as measure
+
+EXAMPLES = """
+Examples:
+
+  oscar verify zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1            # default model, held-out Python docs
+
+  oscar verify zoo/Qwen/Qwen3-8B/v1 --device cuda --json report.json  # Triton kernels on the GPU
+
+  oscar verify bundle/rotations.safetensors --model ./my-model --data notes.txt --max-logit-error 0.3
+"""
+
+
+def verify(
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory or its rotations.safetensors.")],
+    model: Annotated[Optional[str], typer.Option(help="Model to check against; default: the one the manifest names.")] = None,
+    data: Annotated[str, typer.Option(help="Held-out text source (hub dataset, file or folder).")] = DEFAULT_HELDOUT,
+    samples: Annotated[int, typer.Option(help="Held-out samples.")] = 1,
+    seq_len: Annotated[int, typer.Option(help="Tokens per held-out sample.")] = 1024,
+    seed: Annotated[int, typer.Option(help="Seed for drawing the samples.")] = 0,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda; default: cuda when available.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report here.")] = None,
+    max_logit_error: Annotated[Optional[float], typer.Option(help="Fail when OSCAR's mean logit error passes this; default: the manifest's.")] = None,
+    checks_only: Annotated[bool, typer.Option(help="Only check the bundle (no model run).")] = False,
+) -> None:
+    """Check a bundle (schema, checksum, shapes, orthogonality, clips, model match), then measure its INT2 error."""
+    b = load_bundle(bundle)
+    m = b.manifest
+    checks = check_tensors(b)
+    failure = first_failure(checks)
+    if failure:
+        raise OscarError(f"bundle check failed: {failure}")
+    if checks_only:
+        _print_checks(checks)
+        return
+    device = resolve_device(device)
+    loaded = load_model(resolve_model_spec(model, m.model), device)
+    checks.append(check_model(m.model, loaded.info))
+    failure = first_failure(checks)
+    if failure:
+        raise OscarError(f"bundle check failed: {failure}")
+    if loaded.info.max_position_embeddings and seq_len > loaded.info.max_position_embeddings:
+        raise OscarError(f"--seq-len {seq_len} is above the model's limit of {loaded.info.max_position_embeddings}")
+    _print_checks(checks)
+    ids, fingerprint = load_samples(data, loaded.tokenizer, samples, seq_len, seed)
+    reports = []
+    with console.status(f"measuring INT2 attention error on {samples} × {seq_len} held-out tokens"):
+        for i in range(ids.shape[0]):
+            reports.append(measure(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda")))
+    report = _merge(reports)
+    threshold = m.max_logit_error if max_logit_error is None else max_logit_error
+    report.update(bundle=str(b.path), name=m.name, version=m.version, data=data, data_fingerprint=fingerprint,
+                  samples=samples, seq_len=seq_len, device=device, max_logit_error=threshold,
+                  checks=[c.__dict__ for c in checks])
+    report["passed"] = report["mean"]["oscar_key"] <= threshold
+    _print_report(report)
+    if json_out:
+        atomic_write_json(json_out, report)
+        console.print(f"report → {json_out}")
+    if not report["passed"]:
+        err_console.print(f"[bold red]error:[/] OSCAR mean logit error {report['mean']['oscar_key']:.4f} "
+                          f"is above the threshold {threshold}")
+        raise typer.Exit(1)
+
+
+def _merge(reports: list[dict]) -> dict:
+    """Average per-sample reports (same layers and heads) into one."""
+    first = reports[0]
+    avg = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    layers = [{k: (v if k in ("layer", "kv_head") else avg([r["layers"][i][k] for r in reports]))
+               for k, v in row.items()} for i, row in enumerate(first["layers"])]
+    merged = {"path": first["path"], "layers": layers,
+              "mean": {k: avg([r["mean"][k] for r in reports]) for k in first["mean"]},
+              "end_to_end": {k: avg([r["end_to_end"][k] for r in reports]) for k in first["end_to_end"]}}
+    if "decode_kernel_error" in first:
+        merged["decode_kernel_error"] = [avg(v) for v in zip(*(r["decode_kernel_error"] for r in reports))]
+    return merged
+
+
+def _print_checks(checks) -> None:
+    for c in checks:
+        console.print(f"[{'green' if c.ok else 'red'}]{'✓' if c.ok else '✗'}[/] {c.name}: {c.detail}")
+
+
+def _print_report(report: dict) -> None:
+    per_layer: dict[int, list[dict]] = {}
+    for row in report["layers"]:
+        per_layer.setdefault(row["layer"], []).append(row)
+    table = Table(title=f"INT2 attention error by layer, worst first ({report['path']})")
+    for col in ("layer", "key: OSCAR", "Hadamard", "none", "value: OSCAR", "Hadamard", "none"):
+        table.add_column(col, justify="right")
+    if "decode_kernel_error" in report:
+        table.add_column("decode kernel", justify="right")
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    order = sorted(per_layer, key=lambda l: -mean(per_layer[l], "oscar_key"))
+    for layer in order:
+        rows = per_layer[layer]
+        cells = [str(layer)] + [f"{mean(rows, f'{m}_{s}'):.4f}" for s in ("key", "value") for m in ("oscar", "hadamard", "int2")]
+        if "decode_kernel_error" in report:
+            cells.append(f"{report['decode_kernel_error'][layer]:.4f}")
+        table.add_row(*cells)
+    mm = report["mean"]
+    table.add_section()
+    table.add_row("mean", *[f"{mm[f'{m}_{s}']:.4f}" for s in ("key", "value") for m in ("oscar", "hadamard", "int2")],
+                  *([f"{sum(report['decode_kernel_error']) / len(report['decode_kernel_error']):.4f}"]
+                    if "decode_kernel_error" in report else []))
+    console.print(table)
+    e2e = report["end_to_end"]
+    console.print(f"next-token logits with the OSCAR INT2 cache vs BF16: KL {e2e['kl']:.4f} nats, "
+                  f"top-1 agreement {e2e['top1_agreement']:.1%}")
+    verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
+    console.print(f"{verdict} OSCAR mean logit error {mm['oscar_key']:.4f} (threshold {report['max_logit_error']})")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify", epilog=EXAMPLES)(verify)

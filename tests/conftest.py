@@ -1,0 +1,29 @@
+"""Shared fixtures: the real default model (loaded once), tiny random models of several architectures."""
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+
+
+def tiny_model(kind: str, seed: int = 0):
+    """A randomly initialised causal LM of architecture `kind` (llama, qwen3, qwen2, mistral, gemma)."""
+    import transformers as tf
+
+    configs = {
+        "llama": tf.LlamaConfig, "qwen3": tf.Qwen3Config, "qwen2": tf.Qwen2Config,
+        "mistral": tf.MistralConfig, "gemma": tf.GemmaConfig,
+    }
+    extra = {"head_dim": 16} if kind in ("qwen3", "gemma", "mistral") else {}
+    config = configs[kind](**TINY, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from oscar_core.models import load_model
+
+    return load_model(None)

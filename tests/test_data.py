@@ -1,0 +1,73 @@
+import json
+
+import pytest
+import torch
+
+from oscar_core.data import load_samples, sample_windows, texts, token_windows
+from oscar_core.errors import OscarError
+
+
+class CharTokenizer:
+    """A real (if simple) tokenizer: one token per byte, EOS = 0."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [b + 1 for b in text.encode()]}
+
+
+def test_default_corpora_are_real_disjoint_english():
+    calib = " ".join(texts(None))
+    held = " ".join(texts("default-heldout"))
+    assert len(calib) > 100_000 and len(held) > 50_000
+    assert "statement" in calib and "IDLE" in held
+    assert held[:2000] not in calib
+
+
+def test_windows_and_deterministic_sampling():
+    windows = list(token_windows(["a" * 50, "b" * 50], CharTokenizer(), 16))
+    assert all(w.shape == (16,) for w in windows) and len(windows) == 102 // 16
+    a, fa, _ = sample_windows(iter(windows), 3, seed=7)
+    b, fb, _ = sample_windows(iter(windows), 3, seed=7)
+    c, fc, _ = sample_windows(iter(windows), 3, seed=8)
+    assert torch.equal(a, b) and fa == fb
+    assert fa != fc or torch.equal(a, c)
+    idx = [next(i for i, w in enumerate(windows) if torch.equal(w, row)) for row in a]
+    assert idx == sorted(idx)
+
+
+def test_local_files(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world " * 40)
+    rows = [{"text": "jsonl row " * 30}, {"text": "second row " * 30}]
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["parquet text " * 30]}), tmp_path / "c.parquet")
+    docs = list(texts(str(tmp_path)))
+    assert docs[0].startswith("hello") and docs[1].startswith("jsonl") and docs[3].startswith("parquet")
+    samples, fingerprint = load_samples(str(tmp_path), CharTokenizer(), 4, 64, seed=0)
+    assert samples.shape == (4, 64) and len(fingerprint) == 64
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(OscarError, match="not found"):
+        list(texts(str(tmp_path / "missing.txt")))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(OscarError, match="no text"):
+        load_samples(str(tmp_path / "empty.txt"), CharTokenizer(), 2, 64, 0)
+    (tmp_path / "short.txt").write_text("x" * 100)
+    with pytest.raises(OscarError, match="only 1 samples"):
+        load_samples(str(tmp_path / "short.txt"), CharTokenizer(), 2, 64, 0)
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(OscarError, match="no field 'text'"):
+        list(texts(str(tmp_path / "bad.jsonl")))
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(OscarError, match="cannot read"):
+        list(texts(str(tmp_path / "binary.txt")))
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(OscarError, match="cannot read"):
+        list(texts(str(tmp_path / "broken.parquet")))
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(OscarError, match="no text files"):
+        list(texts(str(tmp_path / "nothing")))

@@ -1,0 +1,57 @@
+import math
+
+import pytest
+import torch
+
+from oscar_core.quant import (bits_per_element, dequantize, fake_quantize, pack_int2, quantize, scale_from_code,
+                              unpack_int2)
+
+
+def test_pack_unpack_roundtrip_and_layout():
+    codes = torch.randint(0, 4, (5, 3, 64), dtype=torch.uint8)
+    packed = pack_int2(codes)
+    assert packed.shape == (5, 3, 16) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int2(packed), codes)
+    one = torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8)
+    assert pack_int2(one).item() == 1 | (2 << 2) | (3 << 4)
+
+
+def test_codes_are_on_the_grid_and_error_is_bounded():
+    x = torch.randn(200, 4, 128) * torch.rand(200, 4, 1) * 10
+    codes, scale, zero = quantize(x, group_size=64)
+    assert codes.max() <= 3 and scale.shape == (200, 4, 2) and zero.dtype == torch.int8
+    x_hat = dequantize(codes, scale, zero, 64)
+    step = scale_from_code(scale).repeat_interleave(64, -1)
+    # Without clipping every value lies within half a step of its level, up to the log-scale rounding of the step.
+    assert ((x_hat - x).abs() <= step * 0.5 * 2 ** (1 / 8) + 1e-6).all()
+
+
+def test_clip_trades_range_for_resolution():
+    x = torch.randn(4000, 64)
+    e = [((fake_quantize(x, 64, c) - x).norm() / x.norm()).item() for c in (1.0, 0.8)]
+    assert e[1] < e[0] < 0.5
+
+
+def test_per_head_clip_broadcasts():
+    x = torch.randn(10, 3, 64)
+    clip = torch.tensor([1.0, 0.7, 0.9])
+    both = fake_quantize(x, 64, clip)
+    for h in range(3):
+        assert torch.equal(both[:, h], fake_quantize(x[:, h], 64, float(clip[h])))
+
+
+def test_far_off_centre_group_stays_bounded():
+    x = torch.randn(16, 64) * 0.01 + 100.0
+    err = (fake_quantize(x) - x).abs().max().item()
+    assert err < 100 / 31  # the step widens to reach the offset; error is at most half a step
+
+
+def test_bits_per_element():
+    assert bits_per_element(320) == 16
+    assert math.isclose(bits_per_element(131072), (320 * 16 + (131072 - 320) * 2.25) / 131072)
+    assert bits_per_element(131072) <= 2.3
+
+
+def test_bad_group_size():
+    with pytest.raises(ValueError):
+        quantize(torch.randn(3, 60), 64)
