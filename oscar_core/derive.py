@@ -28,7 +28,7 @@ class DeriveOptions:
     value_rotation: str = "oscar"
     key_centering: bool = True
     value_centering: bool = False
-    key_group_size: int = 64
+    key_group_size: int = 64      # capped at head_dim by export
     value_group_size: int = 64
     sink_tokens: int = 64
     clip_grid: tuple[float, ...] = CLIP_GRID

@@ -51,6 +51,8 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         raise OscarError(f"calibration in {calib_dir} is incomplete ({record.get('samples_done', 0)} of "
                          f"{record.get('samples')} samples): rerun oscar calibrate with the same --out to finish it")
     model = ModelInfo.model_validate(record["model"])
+    opts = DeriveOptions(**{**opts.__dict__, "key_group_size": min(opts.key_group_size, model.head_dim),
+                            "value_group_size": min(opts.value_group_size, model.head_dim)})
     for size in (opts.key_group_size, opts.value_group_size):
         if size < 4 or model.head_dim % size or size & (size - 1):
             raise OscarError(f"group size {size} must be a power of two that divides head_dim {model.head_dim}")

@@ -30,7 +30,7 @@ def export(
     value_rotation: Annotated[str, typer.Option(help="Same choices, with U = eigenbasis of C_S.")] = "oscar",
     key_centering: Annotated[bool, typer.Option(help="Subtract the calibrated key mean (attention-invariant).")] = True,
     value_centering: Annotated[bool, typer.Option(help="Subtract the value mean (added back to the output).")] = False,
-    group_size: Annotated[int, typer.Option(help="INT2 group size for keys and values.")] = 64,
+    group_size: Annotated[int, typer.Option(help="INT2 group size for keys and values (capped at head_dim).")] = 64,
 ) -> None:
     """Compute R_K = U_Q·H·P_br, R_V = U_S·H·P_br and calibrated clip thresholds; write a rotation bundle."""
     opts = DeriveOptions(key_rotation=key_rotation, value_rotation=value_rotation, key_centering=key_centering,
