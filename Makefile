@@ -25,7 +25,9 @@ bench-kernel:
 	$(PY) bench/kernel.py --out bench/results/kernel.md
 
 fidelity:
-	$(PY) bench/fidelity.py --out bench/results/fidelity.md
+	$(VENV)/bin/oscar calibrate --samples 8 --seq-len 512 --out runs/smollm2
+	$(PY) bench/fidelity.py --calib runs/smollm2 --bundle zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1 \
+		--out bench/results/fidelity.md
 
 zoo:
 	$(VENV)/bin/oscar zoo build

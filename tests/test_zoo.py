@@ -162,3 +162,16 @@ def test_list_shows_bits_calibration_and_verify_figures(roots, capfd, monkeypatc
     for text in ("v1", f"{m.quant.bits_per_element['131072']:.3f}", "pydoc_data 8×512 seed 0",
                  "hadamard_logit_error 0.289", "logit_error 0.231"):
         assert text in row, text
+
+
+@pytest.mark.slow
+def test_committed_default_bundle_rebuilds_byte_identical():
+    """`oscar zoo check` on the repo's own zoo: the committed default-model bundle is reproducible here."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", "from oscar_cli.app import main; main()", "zoo", "check"],
+                            cwd=root, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SmolLM2-135M-Instruct" in result.stdout + result.stderr
