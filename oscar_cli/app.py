@@ -34,6 +34,10 @@ verify.register(app)
 push.register(app)
 zoo.register(app)
 
+from oscar_cli.commands import eval as eval_cmd  # noqa: E402
+
+eval_cmd.register(app)
+
 
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 1, never a traceback."""

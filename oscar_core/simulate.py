@@ -11,8 +11,8 @@ For query position p of a layer with keys/values K, V (post-RoPE, as the attenti
 softmax attention in float32. The bf16 method reads K_bf, V_bf everywhere.
 
 Queries go in chunks [a, b): keys that are INT2 for every query of the chunk (last(t) ≤ a − W) are
-read once from K̂; the sink and the band of keys near the chunk are read twice, exact and INT2, and a
-mask picks one of the two columns per query. Scores are [chunk, S + a + 2·(band)] per head.
+read from K̂ alone; the sink and the band of keys near the chunk are scored twice, exact and INT2, and
+a mask picks one score per query; the two softmax parts are merged by their running maxima.
 """
 
 from contextlib import contextmanager
@@ -22,7 +22,7 @@ import torch
 from oscar_core import methods
 
 ATTENTION_NAME = "oscar_simulate"
-CHUNK = 256
+CHUNK = 512
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -50,27 +50,37 @@ def simulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     k_q, v_q = _int2(lm.key, k_bf, sink), _int2(lm.value, v_bf, sink)
     q = query.float().reshape(bsz, kv_heads, group, tq, d)
     out = torch.empty(bsz, kv_heads, group, tq, d, dtype=torch.float32, device=query.device)
-    blocks = [s.token_block for s in (lm.key, lm.value) if s is not None] or [1]
+    blocks = [side.token_block for side in (lm.key, lm.value) if side is not None] or [1]
     for start in range(0, tq, chunk):
         stop = min(start + chunk, tq)
+        n = stop - start
+        qc = q[:, :, :, start:stop].reshape(bsz, kv_heads, group * n, d) * scaling
         pos = torch.arange(start, stop, device=query.device) + (t - tq)
         first, last = int(pos[0]), int(pos[-1])
         # Keys in [sink, lo) are INT2 for every query of the chunk: last(t) ≤ t + b − 1 ≤ first − recent.
         s = min(sink, last + 1)
         lo = min(max(s, first - recent - max(blocks) + 2), last + 1)
         cols = torch.cat([torch.arange(s, device=query.device), torch.arange(lo, last + 1, device=query.device)])
-        mk = methods.int2_mask(pos, last + 1, lm.key, sink, recent)[:, cols]
-        mv = methods.int2_mask(pos, last + 1, lm.value, sink, recent)[:, cols]
-        keys = torch.cat([k_q[:, :, s:lo], k_bf[:, :, cols], k_q[:, :, cols]], dim=2)
-        scores = scaling * (q[:, :, :, start:stop] @ keys[:, :, None].mT)     # [B, H_kv, G, n, keys]
-        far, exact, int2 = scores.split([lo - s, len(cols), len(cols)], dim=-1)
-        # One score per band key: against the exact or the INT2 key, whichever the cache holds for this query.
-        band = torch.where(mk, int2, exact).masked_fill(cols[None, :] > pos[:, None], float("-inf"))
-        probs = torch.softmax(torch.cat([far, band], dim=-1), dim=-1)
-        p_far, p_band = probs.split([lo - s, len(cols)], dim=-1)
-        o = p_far @ v_q[:, :, None, s:lo]
-        o = o + (p_band * ~mv) @ v_bf[:, :, None, cols] + (p_band * mv) @ v_q[:, :, None, cols]
-        out[:, :, :, start:stop] = o
+        mk = methods.int2_mask(pos, last + 1, lm.key, sink, recent)[:, cols].repeat(group, 1)
+        mv = methods.int2_mask(pos, last + 1, lm.value, sink, recent)[:, cols].repeat(group, 1)
+        causal = (cols[None, :] <= pos[:, None]).repeat(group, 1)
+        # Band (sink and keys near the chunk): one score per key, against the exact or the INT2 key,
+        # whichever the cache holds for this query.
+        band = torch.where(mk, qc @ k_q[:, :, cols].mT, qc @ k_bf[:, :, cols].mT)
+        band = band.masked_fill(~causal, float("-inf"))
+        m_band = band.amax(-1, keepdim=True)
+        e_band = (band - m_band).exp_()
+        o = (e_band * ~mv) @ v_bf[:, :, cols] + (e_band * mv) @ v_q[:, :, cols]
+        l_sum = e_band.sum(-1, keepdim=True)
+        if lo > s:
+            # Far keys, INT2 for every query: softmax pieces merged by their running max.
+            far = qc @ k_q[:, :, s:lo].mT
+            m = torch.maximum(far.amax(-1, keepdim=True), m_band)
+            e_far = far.sub_(m).exp_()
+            shift = (m_band - m).exp_()
+            o = o * shift + e_far @ v_q[:, :, s:lo]
+            l_sum = l_sum * shift + e_far.sum(-1, keepdim=True)
+        out[:, :, :, start:stop] = (o / l_sum).reshape(bsz, kv_heads, group, n, d)
     return out.reshape(bsz, heads, tq, d)
 
 

@@ -1,0 +1,200 @@
+"""`oscar eval`: perplexity and needle retrieval of every KV cache method at several context lengths.
+
+Perplexity (teacher-forced, simulate.py): each window of L held-out tokens is run once per method with
+every query reading the cache as an INT2 cache would hold it when that query is decoded;
+    ppl = exp( Σ_windows Σ_t −log p(x_{t+1} | x_≤t) / #targets ).
+Needle (generation through OscarCache): a pass key is hidden at relative depth δ of L tokens of
+held-out filler and asked back at the end. The prompt but its last token is prefilled once (exact
+attention, as a serving engine's prefill), its K/V are written into each method's OscarCache, and
+model.generate decodes the last prompt token and the answer through that cache; exact match of the key.
+"""
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from oscar_core import methods
+from oscar_core.cache import OscarCache
+from oscar_core.data import DEFAULT_HELDOUT, texts, token_windows
+from oscar_core.errors import OscarError
+from oscar_core.simulate import simulate_int2
+
+NEEDLE_INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+                "Find it and memorize it. I will quiz you about it.\n")
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+NEEDLE_QUESTION = "\nWhat is the pass key? The pass key is"
+DEPTHS = (0.1, 0.5, 0.9)
+ANSWER_TOKENS = 8
+LOGIT_CHUNK = 1024
+
+
+@dataclass
+class EvalRequest:
+    contexts: list[int] = field(default_factory=lambda: [2048])
+    methods: list[str] = field(default_factory=lambda: list(methods.METHODS))
+    data: str = DEFAULT_HELDOUT
+    samples: int = 2
+    depths: tuple[float, ...] = DEPTHS
+    needle_trials: int = 1
+    seed: int = 0
+
+
+def check_request(req: EvalRequest, bundle, max_context: int | None = None) -> None:
+    """One-line OscarErrors for bad contexts, methods or depths (before any model is loaded)."""
+    for m in req.methods:
+        methods.check_method(m)
+    limit = max_context or bundle.manifest.model.max_position_embeddings
+    for c in req.contexts:
+        if c < 64:
+            raise OscarError(f"--context {c} is too short: use at least 64 tokens")
+        if limit and c > limit:
+            raise OscarError(f"--context {c} is beyond the model's limit of {limit} tokens")
+    if req.samples < 1 or req.needle_trials < 0 or any(not 0 <= d <= 1 for d in req.depths):
+        raise OscarError("--samples must be positive, --needle-trials non-negative and depths in [0, 1]")
+
+
+def check_bundle(bundle, info) -> None:
+    """The bundle must have been calibrated on this model (same attention facts and config)."""
+    b = bundle.manifest.model
+    facts = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
+    if any(getattr(b, f) != getattr(info, f) for f in facts) or b.config_sha256 != info.config_sha256:
+        raise OscarError(f"bundle {bundle.manifest.name} is for model {b.id} ({b.num_layers} layers, "
+                         f"{b.num_kv_heads} KV heads of dim {b.head_dim}), not {info.id} ({info.num_layers} layers, "
+                         f"{info.num_kv_heads} KV heads of dim {info.head_dim})")
+
+
+def heldout_tokens(source: str, tokenizer, needed: int) -> torch.Tensor:
+    """The first `needed` tokens of a source (documents joined with EOS); fewer if the source is shorter."""
+    out = []
+    for window in token_windows(texts(source), tokenizer, 256):
+        out.append(window)
+        if len(out) * 256 >= needed:
+            break
+    if not out:
+        raise OscarError(f"data source {source} holds no text (fewer than 256 tokens)")
+    return torch.cat(out)[:needed]
+
+
+def windows_of(tokens: torch.Tensor, length: int, n: int, source: str) -> torch.Tensor:
+    """Up to n consecutive windows [n', length] of the token stream; an error if there is not one."""
+    have = min(n, tokens.numel() // length)
+    if have == 0:
+        raise OscarError(f"data source {source} holds {tokens.numel()} tokens, fewer than one window of {length}")
+    return tokens[:have * length].reshape(have, length)
+
+
+@torch.inference_mode()
+def negative_log_likelihood(model, ids: torch.Tensor) -> tuple[float, int]:
+    """(Σ −log p(x_{t+1} | x_≤t), number of targets) of ids [1, L]; logits made LOGIT_CHUNK rows at a time."""
+    hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
+    head = model.get_output_embeddings()
+    targets = ids[0, 1:]
+    total = 0.0
+    for s in range(0, targets.numel(), LOGIT_CHUNK):
+        logits = head(hidden[s:s + LOGIT_CHUNK][: targets.numel() - s]).float()
+        total += float(torch.nn.functional.cross_entropy(logits, targets[s:s + LOGIT_CHUNK], reduction="sum"))
+    return total, targets.numel()
+
+
+def perplexity(model, windows: torch.Tensor, method: str, bundle) -> float:
+    """exp(mean NLL) over all windows [n, L] with every query reading the method's simulated INT2 cache."""
+    nll, count = 0.0, 0
+    with simulate_int2(model, method, bundle):
+        for row in windows:
+            a, b = negative_log_likelihood(model, row[None].to(model.device))
+            nll, count = nll + a, count + b
+    return math.exp(nll / count)
+
+
+def needle_prompt(tokenizer, filler: torch.Tensor, length: int, depth: float, key: str) -> torch.Tensor:
+    """Token ids [length]: intro, filler with the needle at relative depth `depth`, the question."""
+    def enc(s):
+        return torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    intro, needle, question = enc(NEEDLE_INTRO), enc(NEEDLE.format(key=key)), enc(NEEDLE_QUESTION)
+    n = length - len(intro) - len(needle) - len(question)
+    if n < 0 or filler.numel() < n:
+        raise OscarError(f"not enough filler text for a needle prompt of {length} tokens")
+    at = round(depth * n)
+    return torch.cat([intro, filler[:at], needle, filler[at:n], question])
+
+
+def answer_matches(text: str, key: str) -> bool:
+    """Exact match: the first run of digits of the answer is the key."""
+    digits = "".join(c if c.isdigit() else " " for c in text).split()
+    return bool(digits) and digits[0] == key
+
+
+@torch.inference_mode()
+def needle_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[str], bundle, num_layers: int):
+    """{method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: prefill once, decode through each method's cache."""
+    from transformers import DynamicCache
+
+    ids = prompt[None].to(model.device)
+    prefill = DynamicCache()
+    model(input_ids=ids[:, :-1], past_key_values=prefill, use_cache=True, logits_to_keep=1)
+    kv = [(layer.keys, layer.values) for layer in prefill.layers]
+    out = {}
+    for m in method_names:
+        cache = OscarCache(bundle, m, num_layers=num_layers)
+        for i, (k, v) in enumerate(kv):
+            cache.update(k, v, i)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        out[m] = (tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), cache.get_seq_length(),
+                  cache.nbytes(), cache.bf16_nbytes())
+    return out
+
+
+def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | None = None) -> dict:
+    """Perplexity and needle accuracy of every method at every context; returns the JSON-ready report."""
+    check_bundle(bundle, loaded.info)
+    check_request(req, bundle, loaded.info.max_position_embeddings)
+    model, tok = loaded.model, loaded.tokenizer
+    step = on_step or (lambda s: None)
+    longest = max(req.contexts)
+    tokens = heldout_tokens(req.data, tok, longest * req.samples)
+    report = {"model": loaded.info.id, "bundle": f"{bundle.manifest.name} {bundle.manifest.version}",
+              "bundle_sha256": bundle.manifest.tensors.sha256, "data": req.data, "contexts": req.contexts,
+              "methods": req.methods, "labels": {m: methods.LABELS[m] for m in req.methods},
+              "sink_tokens": bundle.manifest.quant.sink_tokens, "recent_tokens": bundle.manifest.quant.recent_tokens,
+              "bits_per_element": {m: {str(c): round(methods.bits_per_element(m, c, bundle), 4) for c in req.contexts}
+                                   for m in req.methods},
+              "perplexity": {m: {} for m in req.methods}, "windows": {},
+              "needle": {m: {} for m in req.methods}, "needle_answers": [], "memory": {}, "timings_s": {}}
+    t0 = time.perf_counter()
+    for c in req.contexts:
+        wins = windows_of(tokens, c, req.samples, req.data)
+        report["windows"][str(c)] = int(wins.shape[0])
+        for m in req.methods:
+            step(f"perplexity {m} @ {c}")
+            report["perplexity"][m][str(c)] = perplexity(model, wins, m, bundle)
+    report["timings_s"]["perplexity"] = round(time.perf_counter() - t0, 1)
+
+    t0 = time.perf_counter()
+    rng = random.Random(req.seed)
+    for c in req.contexts:
+        for m in req.methods:
+            report["needle"][m][str(c)] = {str(d): 0.0 for d in req.depths}
+        for d in req.depths:
+            for trial in range(req.needle_trials):
+                key = str(rng.randrange(10000, 100000))
+                start = rng.randrange(0, max(tokens.numel() - c, 1))
+                filler = torch.cat([tokens[start:], tokens[:start]])
+                step(f"needle @ {c}, depth {d:.0%}, trial {trial + 1}")
+                answers = needle_answers(model, tok, needle_prompt(tok, filler, c, d, key), req.methods, bundle,
+                                         loaded.info.num_layers)
+                for m, (text, length, nbytes, bf16_bytes) in answers.items():
+                    hit = answer_matches(text, key)
+                    report["needle"][m][str(c)][str(d)] += hit / req.needle_trials
+                    report["needle_answers"].append({"method": m, "context": c, "depth": d, "key": key,
+                                                     "answer": text.strip(), "correct": hit})
+                    report["memory"][m] = {"tokens": length, "bytes": nbytes, "bf16_bytes": bf16_bytes,
+                                           "ratio": round(bf16_bytes / nbytes, 3)}
+    report["timings_s"]["needle"] = round(time.perf_counter() - t0, 1)
+    report["needle_accuracy"] = {m: {c: sum(v.values()) / len(v) for c, v in per.items() if v}
+                                 for m, per in report["needle"].items()}
+    return report
