@@ -34,6 +34,7 @@ def verify(
     seq_len: Annotated[int, typer.Option(help="Tokens per held-out sample.")] = 1024,
     seed: Annotated[int, typer.Option(help="Seed for drawing the samples.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda; default: cuda when available.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="Model dtype; default: float32 on CPU, bfloat16 on CUDA.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report here.")] = None,
     max_logit_error: Annotated[Optional[float], typer.Option(help="Fail when OSCAR's mean logit error passes this; default: the manifest's.")] = None,
     checks_only: Annotated[bool, typer.Option(help="Only check the bundle (no model run).")] = False,
@@ -49,7 +50,7 @@ def verify(
         _print_checks(checks)
         return
     device = resolve_device(device)
-    loaded = load_model(resolve_model_spec(model, m.model), device)
+    loaded = load_model(resolve_model_spec(model, m.model), device, dtype)
     checks.append(check_model(m.model, loaded.info))
     failure = first_failure(checks)
     if failure:
