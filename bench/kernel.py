@@ -141,12 +141,12 @@ def render(rows, sweep, wr, bandwidth) -> str:
         f"- measured copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s",
         "- times: median of triton.testing.do_bench (L2 cleared before each run), eager (a Python call per "
         "run, as a plain caller sees it) and CUDA-graph replay (as a serving engine runs decode); INT2 time "
-        "includes the query rotation, the split kernel and the reduce (R_V^T and μ_V applied)",
+        "includes the query rotation (torch), the split kernel and the reduce (R_V^T and μ_V applied)",
         "- byte floor: fewest bytes the INT2 decode must move (codes, scale/zero codes, BF16 windows, q, out) "
         "over the copy bandwidth; 'of floor' = floor time / graph time",
         "- err: max over rows of ‖out − ref‖/‖ref‖ against kvstore.decode_attention_reference (float32)",
         "",
-        "## Decode attention (default launch settings, PTX unpack)",
+        "## Decode attention (default launch settings of decode.default_config, PTX unpack)",
         "",
         "| context | batch | SDPA ms eager | INT2 ms eager | speedup eager | SDPA ms graph | INT2 ms graph | "
         "speedup graph | INT2 MB | floor ms | of floor | err |",
@@ -211,8 +211,8 @@ def main():
     sweep = []
     if args.sweep:
         variants = [("triton unpack", dict(use_asm=False))]
-        for bn, nw, stages in ((64, 4, 2), (128, 4, 3), (256, 4, 2), (128, 8, 2)):
-            for waves in (2, 8):
+        for bn, nw, stages in ((64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2)):
+            for waves in (1, 2, 4, 8):
                 variants.append((f"n{bn} w{nw} s{stages} waves{waves}",
                                  dict(block_n=bn, num_warps=nw, num_stages=stages, waves=waves)))
         for batch in (1, 32):

@@ -113,6 +113,6 @@ def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_gr
 
 def test_plan_splits_fills_the_machine():
     chunk, splits = decode.plan_splits(batch=1, kv_heads=8, max_int2=100_000, block_n=64, num_sms=132)
-    assert chunk % 64 == 0 and (splits - 1) * chunk >= 100_000 and 8 * splits >= 4 * 132
+    assert chunk % 64 == 0 and splits * chunk >= 100_000 and 8 * splits >= 4 * 132
     chunk, splits = decode.plan_splits(batch=32, kv_heads=8, max_int2=0, block_n=64, num_sms=132)
-    assert splits == 1
+    assert splits == 0

@@ -1,10 +1,11 @@
 """Triton decode attention over an Int2KVCache: flash-decoding split over the context, then a reduce.
 
 Program (s, b·H_kv + h) of the split kernel attends the HG = H/H_kv query heads of KV head h
-(stacked as the rows of the tensor-core products) over one slice of sequence b:
-split 0 the BF16 sink and recent windows, split s ≥ 1 rows [(s−1)·chunk, s·chunk) of the INT2 store.
-It writes the unnormalized output, the running max m and the sum l of its slice; the reduce kernel
-merges the slices, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, and returns to original space,
+(stacked as the rows of the tensor-core products) over one slice of sequence b: splits s < NW take
+BLOCK_W tokens each of the BF16 sink and recent windows (one tile per program), splits s ≥ NW take
+rows [(s−NW)·chunk, (s−NW+1)·chunk) of the INT2 store. Each writes the unnormalized output, the
+running max m and the sum l of its slice; the reduce kernel merges the slices SB at a time with a
+running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, and returns to original space,
 o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
 
 INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
@@ -96,40 +97,39 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, length, q_row0,
-                 scale_log2, slot, HG: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                 scale_log2, slot, wid, HG: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  QP: tl.constexpr, BLOCK_W: tl.constexpr, F32: tl.constexpr):
-    """Attention over the BF16 sink and recent windows of one sequence and KV head."""
+    """Attention over window tokens [wid·BLOCK_W, (wid+1)·BLOCK_W) of the BF16 sink + recent windows."""
     r = tl.arange(0, QP)
     c = tl.arange(0, D)
-    q = tl.load(q_ptr + (q_row0 + r)[:, None] * D + c[None, :], mask=(r < HG)[:, None], other=0.0)
     n_sink = tl.minimum(length, S)
     n_win = n_sink + tl.minimum(tl.maximum(length - S, 0), W)
-    sink0 = bh.to(tl.int64) * S * D
-    ring0 = bh.to(tl.int64) * W * D
-    m = tl.full([QP], -1e30, tl.float32)
-    l = tl.zeros([QP], tl.float32)
-    acc = tl.zeros([QP, D], tl.float32)
-    for t0 in range(0, n_win, BLOCK_W):
-        n = t0 + tl.arange(0, BLOCK_W)
+    rows = slot * HG + r
+    if wid * BLOCK_W < n_win:
+        q = tl.load(q_ptr + (q_row0 + r)[:, None] * D + c[None, :], mask=(r < HG)[:, None], other=0.0)
+        sink0 = bh.to(tl.int64) * S * D
+        ring0 = bh.to(tl.int64) * W * D
+        n = wid * BLOCK_W + tl.arange(0, BLOCK_W)
         valid = n < n_win
         in_sink = (n < n_sink)[:, None]
         off_s = sink0 + n[:, None] * D + c[None, :]
         off_r = ring0 + (n - n_sink)[:, None] * D + c[None, :]
         k = tl.load(tl.where(in_sink, ks_ptr + off_s, kr_ptr + off_r), mask=valid[:, None], other=0.0)
+        v = tl.load(tl.where(in_sink, vs_ptr + off_s, vr_ptr + off_r), mask=valid[:, None], other=0.0)
         x = _dot(q, tl.trans(k), None, F32) * scale_log2
         x = tl.where(valid[None, :], x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        alpha = tl.exp2(m - m_new)
+        m = tl.max(x, axis=1)
         # Normalize by the bf16 weights that multiply v, so a large common component of v cancels exactly.
-        p = tl.exp2(x - m_new[:, None]).to(tl.bfloat16)
-        l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
-        v = tl.load(tl.where(in_sink, vs_ptr + off_s, vr_ptr + off_r), mask=valid[:, None], other=0.0)
-        acc = _dot(p, v, acc * alpha[:, None], F32)
-        m = m_new
-    rows = slot * HG + r
-    tl.store(po_ptr + rows[:, None] * D + c[None, :], acc, mask=(r < HG)[:, None])
-    tl.store(pm_ptr + rows, m, mask=r < HG)
-    tl.store(pl_ptr + rows, l, mask=r < HG)
+        p = tl.exp2(x - m[:, None]).to(tl.bfloat16)
+        l = tl.sum(p.to(tl.float32), axis=1)
+        acc = _dot(p, v, None, F32)
+        tl.store(po_ptr + rows[:, None] * D + c[None, :], acc, mask=(r < HG)[:, None])
+        tl.store(pm_ptr + rows, m, mask=r < HG)
+        tl.store(pl_ptr + rows, l, mask=r < HG)
+    else:
+        tl.store(po_ptr + rows[:, None] * D + c[None, :], tl.zeros([QP, D], tl.float32), mask=(r < HG)[:, None])
+        tl.store(pm_ptr + rows, tl.full([QP], -1e30, tl.float32), mask=r < HG)
+        tl.store(pl_ptr + rows, tl.zeros([QP], tl.float32), mask=r < HG)
 
 
 @triton.jit
@@ -226,7 +226,7 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
 def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr,
                   len_ptr, po_ptr, pm_ptr, pl_ptr, scale_log2, log2_scale, T, chunk, NS,
                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-                  S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr,
+                  S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_ASM: tl.constexpr,
                   F32: tl.constexpr):
     sid = tl.program_id(0)
@@ -236,12 +236,12 @@ def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr
     length = tl.load(len_ptr + b)
     q_row0 = b * (HKV * HG) + h * HG
     slot = bh * NS + sid
-    if sid == 0:
+    if sid < NW:
         _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, length, q_row0,
-                     scale_log2, slot, HG, D, S, W, QP, BLOCK_W, F32)
+                     scale_log2, slot, sid, HG, D, S, W, QP, BLOCK_W, F32)
     else:
         n_int2 = tl.maximum(length - S - W, 0)
-        start = (sid - 1) * chunk
+        start = (sid - NW) * chunk
         end = tl.minimum(start + chunk, n_int2)
         _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
                    bh, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, USE_ASM, F32)
@@ -249,30 +249,37 @@ def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr
 
 @triton.jit
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
-                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, QP: tl.constexpr,
-                   BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for columns [e0, e0 + BLOCK_E)."""
+                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
+                   SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for columns [e0, e0 + BLOCK_E);
+    SB splits per step, merged with a running max."""
     bh = tl.program_id(0)
     e0 = tl.program_id(1) * BLOCK_E
     h = bh % HKV
-    r = tl.arange(0, QP)
+    r = tl.arange(0, HGP)
     rmask = r < HG
     c = tl.arange(0, D)
     base = bh * NS * HG
-    m_max = tl.full([QP], -1e30, tl.float32)
-    for s in range(0, NS):
-        m_max = tl.maximum(m_max, tl.load(pm_ptr + base + s * HG + r, mask=rmask, other=-1e30))
-    l_sum = tl.zeros([QP], tl.float32)
-    o = tl.zeros([QP, D], tl.float32)
-    for s in range(0, NS):
-        w = tl.exp2(tl.load(pm_ptr + base + s * HG + r, mask=rmask, other=-1e30) - m_max)
-        l_sum += w * tl.load(pl_ptr + base + s * HG + r, mask=rmask, other=0.0)
-        part = tl.load(po_ptr + (base + s * HG + r)[:, None] * D + c[None, :], mask=rmask[:, None], other=0.0)
-        o += w[:, None] * part
+    m_run = tl.full([HGP], -1e30, tl.float32)
+    l_sum = tl.zeros([HGP], tl.float32)
+    o = tl.zeros([HGP, D], tl.float32)
+    for s0 in range(0, NS, SB):
+        s = s0 + tl.arange(0, SB)
+        mask = (s < NS)[:, None] & rmask[None, :]
+        idx = base + s[:, None] * HG + r[None, :]
+        ms = tl.load(pm_ptr + idx, mask=mask, other=-1e30)
+        ls = tl.load(pl_ptr + idx, mask=mask, other=0.0)
+        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=mask[:, :, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(ms, axis=0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(ms - m_new[None, :])
+        l_sum = l_sum * alpha + tl.sum(w * ls, axis=0)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
+        m_run = m_new
     o = o / tl.where(rmask, l_sum, 1.0)[:, None]
     e = e0 + tl.arange(0, BLOCK_E)
     rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
-    y = tl.dot(o, rvt, input_precision="ieee")
+    y = tl.sum(o[:, :, None] * rvt[None, :, :], axis=1)
     if HAS_MEAN:
         y += tl.load(mean_ptr + h * D + e)[None, :]
     tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -288,38 +295,55 @@ def _pow2(n: int) -> int:
 
 
 def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms: int, waves: int = 4):
-    """(chunk, number of splits): INT2 rows per split, and 1 window split plus enough INT2 splits to
-    give about `waves` programs per multiprocessor."""
+    """(chunk, number of INT2 splits): INT2 rows per split, and enough INT2 splits to give about
+    `waves` programs per multiprocessor."""
     want = max(1, -(-waves * num_sms // (batch * kv_heads)))
     chunk = max(block_n, -(-max(max_int2, 1) // want))
     chunk = -(-chunk // block_n) * block_n
-    return chunk, 1 + -(-max_int2 // chunk)
+    return chunk, -(-max_int2 // chunk)
+
+
+def default_config(batch: int, kv_heads: int, max_int2: int) -> dict:
+    """Launch settings by the number of (sequence, KV head) pairs (tuned on an H100 at 100K context)."""
+    if batch * kv_heads >= 128:
+        return dict(block_n=128, num_warps=4, num_stages=2, waves=4)
+    return dict(block_n=128, num_warps=4, num_stages=2, waves=2)
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
                      value_rotation: torch.Tensor, value_mean: torch.Tensor | None, scaling: float,
-                     max_length: int | None = None, block_n: int = 128, block_w: int = 64,
-                     num_warps: int = 4, num_stages: int = 2, waves: int = 4, use_asm: bool | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     max_length: int | None = None, block_n: int | None = None, block_w: int = 64,
+                     num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
+                     use_asm: bool | None = None, out: torch.Tensor | None = None,
+                     reduce_splits: int = 8) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     max_length (the largest cache.lengths, if the caller knows it) saves a device-to-host read.
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
+    Launch settings left as None come from default_config.
     Every sequence needs at least one token. The cache tensors must be contiguous."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
-    ngk, ngv = d // cache.key_group_size, d // cache.value_group_size
-    if d % 64 or cache.key_group_size < 64 or cache.value_group_size < 64:
+    gk, gv = cache.key_group_size, cache.value_group_size
+    if d % 64 or gk < 64 or gv < 64:
         raise ValueError("decode_attention needs head_dim and group sizes that are multiples of 64")
-    hgp = max(_pow2(hg), 16 // min(ngk, ngv))
     if use_asm is None:
         use_asm = q.is_cuda
     if max_length is None:
         max_length = int(cache.lengths.max())
     max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
-    chunk, ns = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves)
+    cfg = default_config(bsz, kv_heads, max_int2)
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+    waves = waves or cfg["waves"]
+    chunk, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves)
+    n_win = min(max_length, cache.sink_tokens + cache.recent_tokens)
+    nw = -(-n_win // block_w)
+    ns = nw + n_int2
 
+    hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
     q_rot = rotate_query(q, key_rotation).to(torch.bfloat16).contiguous()
     work = torch.empty(bsz * kv_heads * ns * hg * (d + 2), dtype=torch.float32, device=q.device)
     split = bsz * kv_heads * ns * hg
@@ -329,15 +353,15 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         q_rot, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
         cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
         cache.lengths, po, pm, pl, scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], chunk, ns,
-        HKV=kv_heads, HG=hg, D=d, GK=cache.key_group_size, GV=cache.value_group_size,
-        S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp, QP=max(16, hgp),
-        BLOCK_N=block_n, BLOCK_W=block_w, USE_ASM=use_asm, F32=not q.is_cuda, num_warps=num_warps, num_stages=num_stages)
+        HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
+        QP=max(16, hgp), NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, USE_ASM=use_asm, F32=not q.is_cuda,
+        num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty(bsz, heads, d, dtype=q.dtype, device=q.device)
     rv = value_rotation.float().contiguous()
     mean = value_mean.float().contiguous() if value_mean is not None else rv
-    block_e = min(d, 32)
+    block_e = min(d, 16)
     _reduce_kernel[(bsz * kv_heads, d // block_e)](
-        po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, QP=max(16, hgp), BLOCK_E=block_e,
-        HAS_MEAN=value_mean is not None, num_warps=4)
+        po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=reduce_splits,
+        BLOCK_E=block_e, HAS_MEAN=value_mean is not None, num_warps=4)
     return out
