@@ -1,0 +1,88 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from oscar_core import evaluate as ev
+from oscar_core.bundle import load_bundle
+from oscar_core.errors import OscarError
+
+BUNDLE = Path(__file__).resolve().parents[1] / "zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1"
+
+
+class CharTokenizer:
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_needle_prompt_places_the_needle_at_depth():
+    tok = CharTokenizer()
+    filler = torch.arange(1000, 3000)
+    for depth in (0.0, 0.5, 1.0):
+        ids = ev.needle_prompt(tok, filler, 1200, depth, "12345")
+        assert ids.numel() == 1200
+        text = "".join(chr(i) if i < 1000 else "." for i in ids.tolist())
+        assert text.startswith(ev.NEEDLE_INTRO) and text.endswith(ev.NEEDLE_QUESTION)
+        at = text.index("The pass key is 12345")
+        n = 1200 - len(ev.NEEDLE_INTRO) - len(ev.NEEDLE.format(key="12345")) - len(ev.NEEDLE_QUESTION)
+        assert at == len(ev.NEEDLE_INTRO) + round(depth * n) + 1
+    with pytest.raises(OscarError, match="filler"):
+        ev.needle_prompt(tok, filler[:10], 1200, 0.5, "12345")
+
+
+def test_answer_matching_is_exact():
+    assert ev.answer_matches(" 48213. Remember", "48213")
+    assert not ev.answer_matches(" 4821", "48213") and not ev.answer_matches("482135", "48213")
+    assert not ev.answer_matches("the key", "48213")
+
+
+def test_bad_requests_fail_with_one_line():
+    bundle = load_bundle(BUNDLE)
+    with pytest.raises(OscarError, match="beyond the model's limit of 8192"):
+        ev.check_request(ev.EvalRequest(contexts=[16384]), bundle)
+    with pytest.raises(OscarError, match="unknown method"):
+        ev.check_request(ev.EvalRequest(methods=["int3"]), bundle)
+    with pytest.raises(OscarError, match="fewer than one window"):
+        ev.windows_of(torch.arange(100), 2048, 2, "x")
+
+
+def test_empty_text_source(tmp_path):
+    (tmp_path / "empty.txt").write_text("   \n")
+    with pytest.raises(OscarError, match="holds no text"):
+        ev.heldout_tokens(str(tmp_path), CharTokenizer(), 4096)
+
+
+def test_bundle_for_another_model(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_bundle import write_tiny_bundle
+
+    write_tiny_bundle(tmp_path / "b")
+    other = load_bundle(tmp_path / "b")
+    mine = load_bundle(BUNDLE)
+    with pytest.raises(OscarError, match="is for model"):
+        ev.check_bundle(other, mine.manifest.model)
+    ev.check_bundle(mine, mine.manifest.model)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    run = [sys.executable, "-c", "from oscar_cli.app import main; main()", "eval", str(BUNDLE)]
+    out = subprocess.run(run + ["--context", "16384"], capture_output=True, text=True)
+    assert out.returncode == 1 and "beyond the model's limit" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_evaluate_short_context(default_model, tmp_path):
+    """Perplexity and needle at 512 tokens: BF16 finds the key, naive INT2 is the worst perplexity."""
+    bundle = load_bundle(BUNDLE)
+    req = ev.EvalRequest(contexts=[512], methods=["bf16", "int2", "oscar"], samples=1, depths=(0.3,))
+    report = ev.evaluate(default_model, bundle, req)
+    ppl = {m: report["perplexity"][m]["512"] for m in req.methods}
+    assert ppl["bf16"] < ppl["int2"] and abs(ppl["oscar"] / ppl["bf16"] - 1) < 0.05
+    assert report["needle"]["bf16"]["512"]["0.3"] == 1.0
+    assert report["memory"]["oscar"]["bytes"] < report["memory"]["oscar"]["bf16_bytes"]
+    assert report["bits_per_element"]["bf16"]["512"] == 16.0
