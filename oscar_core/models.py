@@ -102,6 +102,16 @@ def config_hash(facts: dict, config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def hub_revision(repo_id: str) -> str | None:
+    """The commit of the cached snapshot a hub id was loaded from, or None for local models."""
+    if Path(repo_id).exists():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    path = try_to_load_from_cache(repo_id, "config.json")
+    return Path(path).parent.name if isinstance(path, str) and "snapshots" in Path(path).parts else None
+
+
 def model_info(spec: str | None, config, weights_file: str | None, source: str, architecture: str) -> ModelInfo:
     facts = attention_facts(config, architecture)
     if spec in (None, "", DEFAULT_MODEL):
@@ -115,7 +125,8 @@ def model_info(spec: str | None, config, weights_file: str | None, source: str, 
         file_hash = sha256_file(weights_file)
     elif Path(source).is_dir():
         file_hash = _directory_weights_hash(Path(source))
-    return ModelInfo(id=model_id, revision=getattr(config, "_commit_hash", None), file_sha256=file_hash,
+    return ModelInfo(id=model_id, revision=getattr(config, "_commit_hash", None) or hub_revision(source),
+                     file_sha256=file_hash,
                      config_sha256=config_hash(facts, config), **facts)
 
 
