@@ -69,14 +69,14 @@ def chat_ids(tokenizer, question):
 
 @pytest.mark.slow
 def test_generate_with_oscar_cache_answers_like_bf16(default_model):
-    """Greedy chat answers through the INT2 cache (small windows, so most of the prompt is INT2)."""
+    """Greedy chat answers through the INT2 cache (4 sink + 16 recent BF16 tokens, so the prompt's middle is INT2)."""
     model, tok = default_model.model, default_model.tokenizer
     bundle = load_bundle(BUNDLE)
     ids = chat_ids(tok, "What is the capital of France? Answer in one word.")
     assert ids.shape[1] > 24
     answers = {}
     for method in ("bf16", "oscar"):
-        cache = OscarCache(bundle, method, sink_tokens=4, recent_tokens=8)
+        cache = OscarCache(bundle, method, sink_tokens=4, recent_tokens=16)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
                              do_sample=False, pad_token_id=tok.eos_token_id)
         answers[method] = out[0, ids.shape[1]:]
