@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 
-def run_verify(bundle, model, device, seq_len, out) -> dict:
+def run_verify(bundle, model, device, seq_len, data, out) -> dict:
     cmd = [sys.executable, "-c", "from oscar_cli.app import main; main()", "verify", bundle, "--model", model,
-           "--device", device, "--dtype", "float32", "--seq-len", str(seq_len), "--json", out]
+           "--device", device, "--dtype", "float32", "--seq-len", str(seq_len), "--data", data, "--json", out]
     result = subprocess.run(cmd, capture_output=True, text=True)
     print(result.stdout[-3000:], result.stderr[-2000:])
     if result.returncode != 0:
@@ -32,17 +32,18 @@ def main():
     p.add_argument("bundle")
     p.add_argument("--model", required=True)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--data", default="default-heldout", help="held-out text (a file where Python lacks idlelib)")
     p.add_argument("--out", default="bench/results/verify_cuda.md")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cpu = run_verify(args.bundle, args.model, "cpu", args.seq_len, f"{tmp}/cpu.json")
-        gpu = run_verify(args.bundle, args.model, "cuda", args.seq_len, f"{tmp}/cuda.json")
+        cpu = run_verify(args.bundle, args.model, "cpu", args.seq_len, args.data, f"{tmp}/cpu.json")
+        gpu = run_verify(args.bundle, args.model, "cuda", args.seq_len, args.data, f"{tmp}/cuda.json")
     keys = [k for k in cpu["layers"][0] if k not in ("layer", "kv_head")]
     worst = max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for a, b in zip(cpu["layers"], gpu["layers"]) for k in keys)
     lines = [f"# oscar verify: CUDA (Triton kernels) vs CPU (torch reference)", "",
              f"Measured {datetime.date.today()} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
              f"torch {torch.__version__}; bundle `{args.bundle}`, model `{args.model}` (float32 on both devices), "
-             f"{args.seq_len} held-out tokens.", "",
+             f"{args.seq_len} held-out tokens of `{args.data}`.", "",
              f"| figure | CPU ({cpu['path']}) | CUDA ({gpu['path']}) |", "|---|---|---|"]
     for k in keys:
         lines.append(f"| mean {k.replace('_', ' ')} error | {cpu['mean'][k]:.5f} | {gpu['mean'][k]:.5f} |")

@@ -138,6 +138,7 @@ def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool) -> dict
     """The measurement part of a verify report (checks are made by the caller first)."""
     model = loaded.model
     device = next(model.parameters()).device
+    bundle = bundle.model_copy(update={"tensors": {k: v.to(device) for k, v in bundle.tensors.items()}})
     held = capture_attention(model, ids.to(device))
     write = None
     if use_kernels:
