@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from oscar_core import methods
+from oscar_core.statistics import route_attention
 
 ATTENTION_NAME = "oscar_simulate"
 CHUNK = 512
@@ -92,7 +93,6 @@ def simulate_int2(model, method: str, bundle=None, sink_tokens: int | None = Non
     The model must be called without padding (one full window per row); with a past cache the queries
     are taken to be the last positions. sink/recent default to the bundle's windows (else 64 and 256).
     """
-    from transformers import AttentionInterface
 
     methods.check_method(method)
     sink, recent = methods.windows(method, bundle)
@@ -108,10 +108,5 @@ def simulate_int2(model, method: str, bundle=None, sink_tokens: int | None = Non
         out = simulated_attention(query, key, value, per_layer[i], float(scaling), sink, recent, chunk)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
-    AttentionInterface.register(ATTENTION_NAME, attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
-    try:
+    with route_attention(model, ATTENTION_NAME, attention):
         yield
-    finally:
-        model.set_attn_implementation(previous)

@@ -128,13 +128,25 @@ class AttentionStatistics:
 
 
 @contextmanager
+def route_attention(model, name: str, attention):
+    """Run every attention layer of `model` through `attention` (transformers' attention-function signature),
+    registered under `name` with AttentionInterface; the previous implementation is restored on exit."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def observe_attention(model, observer):
     """Route every attention layer of `model` through sdpa plus `observer(layer, q, k, v, out, scaling)`.
 
-    Registered through transformers' AttentionInterface, so the observer sees post-RoPE queries and
-    keys and the real attention output, and the model's logits are unchanged.
+    The observer sees post-RoPE queries and keys and the real attention output; logits are unchanged.
     """
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kwargs):
@@ -143,10 +155,4 @@ def observe_attention(model, observer):
         observer(module.layer_idx, query, key, value, out, float(scaling))
         return out, weights
 
-    AttentionInterface.register(ATTENTION_NAME, attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
+    return route_attention(model, ATTENTION_NAME, attention)
