@@ -109,3 +109,23 @@ def test_verify_refuses_a_bundle_whose_rotations_are_not_orthogonal(tmp_path):
 def test_verify_refuses_a_bundle_for_another_model(tmp_path):
     write_tiny_bundle(tmp_path / "b")
     assert_one_line_error(oscar("verify", tmp_path / "b", "--model", "default"), "model matches manifest")
+
+
+@pytest.mark.slow
+def test_verify_the_committed_bundle_on_held_out_text(tmp_path):
+    """The real run: OSCAR beats Hadamard and no rotation; a too-strict threshold fails after writing the report."""
+    root = Path(__file__).resolve().parents[1]
+    bundle = root / "zoo" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "v1"
+    report_path = tmp_path / "report.json"
+    result = oscar("verify", bundle, "--seq-len", "384", "--device", "cpu", "--json", report_path,
+                   "--max-logit-error", "0.01")
+    assert result.returncode == 1 and "above the threshold 0.01" in result.stderr
+    shown = " ".join(result.stdout.split())  # rich wraps long lines
+    assert "worst first" in shown and "top-1 agreement" in shown
+    report = json.loads(report_path.read_text())
+    assert report["passed"] is False and report["path"] == "torch reference"
+    assert len(report["layers"]) == 30 * 3
+    mean = report["mean"]
+    assert mean["oscar_key"] < mean["hadamard_key"] < mean["int2_key"]
+    assert mean["oscar_value"] < mean["hadamard_value"] < mean["int2_value"]
+    assert 0 <= report["end_to_end"]["kl"] < 0.1 and report["end_to_end"]["top1_agreement"] > 0.9
