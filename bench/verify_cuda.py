@@ -40,7 +40,7 @@ def main():
         gpu = run_verify(args.bundle, args.model, "cuda", args.seq_len, args.data, f"{tmp}/cuda.json")
     keys = [k for k in cpu["layers"][0] if k not in ("layer", "kv_head")]
     worst = max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for a, b in zip(cpu["layers"], gpu["layers"]) for k in keys)
-    lines = [f"# oscar verify: CUDA (Triton kernels) vs CPU (torch reference)", "",
+    lines = ["# oscar verify: CUDA (Triton kernels) vs CPU (torch reference)", "",
              f"Measured {datetime.date.today()} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
              f"torch {torch.__version__}; bundle `{args.bundle}`, model `{args.model}` (float32 on both devices), "
              f"{args.seq_len} held-out tokens of `{args.data}`.", "",

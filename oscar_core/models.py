@@ -5,7 +5,6 @@ import hashlib
 import importlib.util
 import io
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -27,3 +27,16 @@ def default_model():
     from oscar_core.models import load_model
 
     return load_model(None)
+
+
+def run_cli(capfd, monkeypatch, *args: str) -> tuple[int, str]:
+    """Run the oscar CLI in this process; returns (exit code, stdout + stderr)."""
+    import sys
+
+    from oscar_cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["oscar", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capfd.readouterr()
+    return exit_info.value.code, out + err

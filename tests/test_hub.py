@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, manifest_json
 from oscar_core.card import model_card
@@ -101,15 +102,7 @@ def bundle(tmp_path) -> Path:
     return tmp_path / "bundle"
 
 
-def oscar(capfd, monkeypatch, *args: str) -> tuple[int, str]:
-    """Run the oscar CLI in this process; returns (exit code, stdout + stderr)."""
-    from oscar_cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["oscar", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capfd.readouterr()
-    return exit_info.value.code, out + err
+oscar = run_cli
 
 
 def push_args(bundle: Path, hub: str, *extra: str) -> list[str]:

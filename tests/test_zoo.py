@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 import torch
 
 from oscar_core import zoo
@@ -55,14 +56,7 @@ def roots(tmp_path) -> tuple[Path, Path]:
     return tmp_path / "zoo", tmp_path / "manifests"
 
 
-def oscar(capfd, monkeypatch, *args: str) -> tuple[int, str]:
-    from oscar_cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["oscar", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capfd.readouterr()
-    return exit_info.value.code, out + err
+oscar = run_cli
 
 
 def test_committed_recipes_cover_the_default_model_and_qwen3():
@@ -168,7 +162,6 @@ def test_list_shows_bits_calibration_and_verify_figures(roots, capfd, monkeypatc
 def test_committed_default_bundle_rebuilds_byte_identical():
     """`oscar zoo check` on the repo's own zoo: the committed default-model bundle is reproducible here."""
     import subprocess
-    import sys
 
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", "from oscar_cli.app import main; main()", "zoo", "check"],

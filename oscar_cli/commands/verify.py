@@ -1,6 +1,5 @@
 """oscar verify: check a bundle and measure the attention error its INT2 cache causes."""
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
