@@ -211,11 +211,12 @@ def main():
     sweep = []
     if args.sweep:
         variants = [("triton unpack", dict(use_asm=False))]
-        for bn, nw, stages in ((64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2)):
-            for waves in (1, 2, 4, 8):
-                variants.append((f"n{bn} w{nw} s{stages} waves{waves}",
-                                 dict(block_n=bn, num_warps=nw, num_stages=stages, waves=waves)))
-        for batch in (1, 32):
+        for key_t in (False, True):
+            for bn, nw, stages in ((64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2)):
+                for waves in (2, 4, 8):
+                    variants.append((f"n{bn} w{nw} s{stages} waves{waves}" + (" keyT" if key_t else ""),
+                                     dict(block_n=bn, num_warps=nw, num_stages=stages, waves=waves, key_t=key_t)))
+        for batch in (1, 8, 32):
             sweep += bench_config(100_000, batch, layer, gen, bandwidth, variants)
     wr = bench_write(gen, bandwidth)
     print(f"write: {wr}", flush=True)

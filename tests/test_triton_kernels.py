@@ -85,12 +85,13 @@ def to_device(cache):
     return kvstore.Int2KVCache(**fields)
 
 
-@pytest.mark.parametrize("d,heads,kv_heads,key_group,value_group,lengths", [
-    (64, 16, 2, 64, 64, [700, 50, 330, 1]),
-    (128, 8, 2, 64, 64, [900, 321, 64, 65]),
-    (128, 8, 2, 64, 128, [419, 7]),
+@pytest.mark.parametrize("d,heads,kv_heads,key_group,value_group,lengths,key_t", [
+    (64, 16, 2, 64, 64, [700, 50, 330, 1], True),
+    (128, 8, 2, 64, 64, [900, 321, 64, 65], True),
+    (128, 8, 2, 64, 64, [900, 321, 64, 65], False),
+    (128, 8, 2, 64, 128, [419, 7], False),
 ])
-def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_group, value_group, lengths):
+def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_group, value_group, lengths, key_t):
     gen = torch.Generator().manual_seed(d + len(lengths))
     cache, layer, q = build(gen, lengths, heads, kv_heads, d, key_group, value_group)
     scaling = d ** -0.5
@@ -103,7 +104,7 @@ def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_gr
                         if k.get("dtype", torch.float32).is_floating_point else empty(*a, **k))
     out = decode.decode_attention(q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE),
                                   layer.value_rotation.to(DEVICE), layer.value_mean.to(DEVICE), scaling,
-                                  block_n=32, out=poisoned)
+                                  block_n=32, out=poisoned, key_t=key_t)
     monkeypatch.undo()
     out = out.cpu()
     assert torch.isfinite(out).all()

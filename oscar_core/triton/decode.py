@@ -14,6 +14,9 @@ x̂ = step·(code + z/4) per token and group g:
   keys:   q̃·k̂ = Σ_g step_g · (Σ_i Σ_{j∈g} (q̃_{4j+i}/m_i)·u_i[j] + z_g/4 · Σ_{c∈g} q̃_c)
   values: Σ_n p_n v̂_n[4j+i] = (Σ_n a_n u_i[n, j])/m_i + Σ_n a_n z_n/4,  a_n = p_n·step_g[n]
 so the products run on raw codes and the scale and zero apply to the small score / output tiles.
+The unpack leaves 128 in every code (u = 128 + m·code, _unpack_raw) for the keys and subtracts it in
+bf16 for the values: the score accumulator starts each tile at −128·Σ_c (row's query operands), which
+the products add back exactly (per tile, so no offset builds up over a chunk).
 The groups of a head are stacked as extra rows (row = g·HGP + r): key rows carry the query restricted
 to group g, value rows carry a = p·step_g; the rows of each group are summed (keys) or the columns
 of group g picked (values) afterwards.
@@ -32,48 +35,75 @@ LOG2E = 1.4426950408889634
 
 _UNPACK_ASM = tl.constexpr("""
 {
-.reg .b32 lo, hi, z, one, neg;
-mov.b32 z, 0;
+.reg .b32 lo, hi, one, neg;
 mov.b32 one, 0x3F803F80;
 mov.b32 neg, 0xC300C300;
-prmt.b32 lo, $8, z, 0x4140;
-prmt.b32 hi, $8, z, 0x4342;
-and.b32 $0, lo, 0x00030003;
-or.b32 $0, $0, 0x43004300;
+prmt.b32 lo, $8, 0, 0x4140;
+prmt.b32 hi, $8, 0, 0x4342;
+lop3.b32 $0, lo, 0x00030003, 0x43004300, 0xEA;
 fma.rn.bf16x2 $0, $0, one, neg;
-and.b32 $1, hi, 0x00030003;
-or.b32 $1, $1, 0x43004300;
+lop3.b32 $1, hi, 0x00030003, 0x43004300, 0xEA;
 fma.rn.bf16x2 $1, $1, one, neg;
-and.b32 $2, lo, 0x000c000c;
-or.b32 $2, $2, 0x43004300;
+lop3.b32 $2, lo, 0x000c000c, 0x43004300, 0xEA;
 fma.rn.bf16x2 $2, $2, one, neg;
-and.b32 $3, hi, 0x000c000c;
-or.b32 $3, $3, 0x43004300;
+lop3.b32 $3, hi, 0x000c000c, 0x43004300, 0xEA;
 fma.rn.bf16x2 $3, $3, one, neg;
-and.b32 $4, lo, 0x00300030;
-or.b32 $4, $4, 0x43004300;
+lop3.b32 $4, lo, 0x00300030, 0x43004300, 0xEA;
 fma.rn.bf16x2 $4, $4, one, neg;
-and.b32 $5, hi, 0x00300030;
-or.b32 $5, $5, 0x43004300;
+lop3.b32 $5, hi, 0x00300030, 0x43004300, 0xEA;
 fma.rn.bf16x2 $5, $5, one, neg;
 shr.b32 lo, lo, 2;
 shr.b32 hi, hi, 2;
-and.b32 $6, lo, 0x00300030;
-or.b32 $6, $6, 0x43004300;
+lop3.b32 $6, lo, 0x00300030, 0x43004300, 0xEA;
 fma.rn.bf16x2 $6, $6, one, neg;
-and.b32 $7, hi, 0x00300030;
-or.b32 $7, $7, 0x43004300;
+lop3.b32 $7, hi, 0x00300030, 0x43004300, 0xEA;
 fma.rn.bf16x2 $7, $7, one, neg;
 }
 """)
+
+
+_UNPACK_RAW_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi;
+prmt.b32 lo, $8, 0, 0x4140;
+prmt.b32 hi, $8, 0, 0x4342;
+lop3.b32 $0, lo, 0x00030003, 0x43004300, 0xEA;
+lop3.b32 $1, hi, 0x00030003, 0x43004300, 0xEA;
+lop3.b32 $2, lo, 0x000c000c, 0x43004300, 0xEA;
+lop3.b32 $3, hi, 0x000c000c, 0x43004300, 0xEA;
+lop3.b32 $4, lo, 0x00300030, 0x43004300, 0xEA;
+lop3.b32 $5, hi, 0x00300030, 0x43004300, 0xEA;
+shr.b32 lo, lo, 2;
+shr.b32 hi, hi, 2;
+lop3.b32 $6, lo, 0x00300030, 0x43004300, 0xEA;
+lop3.b32 $7, hi, 0x00300030, 0x43004300, 0xEA;
+}
+""")
+
+
+@triton.jit
+def _unpack_raw(packed, USE_ASM: tl.constexpr):
+    """uint8 bytes -> four bf16 tensors 128 + m_i·((byte >> 2i) & 3), m = (1, 4, 16, 16): the masked bits
+    ored into the mantissa of 128.0, the 128 left in (2 prmt + 8 lop3 + 2 shifts per 16 codes)."""
+    if USE_ASM:
+        u0, u1, u2, u3 = tl.inline_asm_elementwise(
+            _UNPACK_RAW_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        u0 = ((packed & 3).to(tl.float32) + 128.0).to(tl.bfloat16)
+        u1 = ((packed & 12).to(tl.float32) + 128.0).to(tl.bfloat16)
+        u2 = ((packed & 48).to(tl.float32) + 128.0).to(tl.bfloat16)
+        u3 = (((packed >> 2) & 48).to(tl.float32) + 128.0).to(tl.bfloat16)
+    return u0, u1, u2, u3
 
 
 @triton.jit
 def _unpack(packed, USE_ASM: tl.constexpr):
     """uint8 bytes -> four bf16 tensors u_i = m_i·((byte >> 2i) & 3), m = (1, 4, 16, 16).
 
-    The PTX path ors the masked bits into the mantissa of 128.0 (0x4300) and subtracts 128 in packed
-    bf16 (exact): 2 prmt + 8 lop3 + 2 shifts + 8 bf16x2 fma per 16 codes, no int-to-float conversion."""
+    The PTX path ors the masked bits into the mantissa of 128.0 (0x4300, one lop3 for mask and or) and
+    subtracts 128 in packed bf16 (exact): 2 prmt + 8 lop3 + 2 shifts + 8 bf16x2 fma per 16 codes, no
+    int-to-float conversion."""
     if USE_ASM:
         u0, u1, u2, u3 = tl.inline_asm_elementwise(
             _UNPACK_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
@@ -136,8 +166,9 @@ def _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, 
 def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
                bh, start, end, q_row0, log2_scale, T, slot,
                HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HGP: tl.constexpr,
-               BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, F32: tl.constexpr):
-    """Attention over INT2 rows [start, end) of one sequence and KV head."""
+               BLOCK_N: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr, F32: tl.constexpr):
+    """Attention over INT2 rows [start, end) of one sequence and KV head. KEY_T computes the score tile
+    transposed (tokens as rows); both orders give the same function."""
     NGK: tl.constexpr = D // GK
     NGV: tl.constexpr = D // GV
     MK: tl.constexpr = NGK * HGP
@@ -155,6 +186,15 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
     q3 = (tl.load(q_ptr + qoff + 3, mask=qmask, other=0.0).to(tl.float32) * 0.0625).to(tl.bfloat16)
     f0, f1, f2, f3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
     q_sum = tl.reshape(tl.sum(f0 + 4.0 * f1 + 16.0 * (f2 + f3), axis=1), [NGK, HGP, 1])
+    # The key unpack leaves 128 in every code (u = 128 + m·code); the score accumulator starts at
+    # −128·Σ of the row's (bf16) query operands, so the products add the offset back exactly per tile.
+    q_off = 128.0 * tl.sum(f0 + f1 + f2 + f3, axis=1)
+    if KEY_T:
+        s_init = tl.zeros([BLOCK_N, MK], tl.float32) - q_off[None, :]
+        q0t, q1t, q2t, q3t = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
+        q_sum_t = tl.reshape(q_sum, [1, NGK, HGP])
+    else:
+        s_init = tl.zeros([MK, BLOCK_N], tl.float32) - q_off[:, None]
 
     gk = tl.arange(0, NGK)
     gv = tl.arange(0, NGV)
@@ -172,32 +212,59 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
         n = t0 + tl.arange(0, BLOCK_N)
         valid = n < end
         kp = tl.load(kc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
-        u0, u1, u2, u3 = _unpack(kp, USE_ASM)
-        s = _dot(q0, tl.trans(u0), None, F32)
-        s = _dot(q1, tl.trans(u1), s, F32)
-        s = _dot(q2, tl.trans(u2), s, F32)
-        s = _dot(q3, tl.trans(u3), s, F32)
-        ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
-        kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
-        kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
-        s3 = tl.reshape(s, [NGK, HGP, BLOCK_N])
-        x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum), axis=0)
-        x = tl.where(valid[None, :], x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(x - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        u0, u1, u2, u3 = _unpack_raw(kp, USE_ASM)
+        if KEY_T:
+            # Scores transposed, [tokens, (g, r)]: the unpacked codes are the register operand
+            # (M = BLOCK_N, so Hopper's wgmma), the query the shared one.
+            s = _dot(u0, q0t, s_init, F32)
+            s = _dot(u1, q1t, s, F32)
+            s = _dot(u2, q2t, s, F32)
+            s = _dot(u3, q3t, s, F32)
+            ksc = tl.load(ksc_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
+            kz = tl.load(kz_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
+            kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, :, None]
+            s3 = tl.reshape(s, [BLOCK_N, NGK, HGP])
+            x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, :, None] * q_sum_t), axis=1)
+            x = tl.where(valid[:, None], x, float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(x - m_new[None, :])
+            l = l * alpha + tl.sum(p, axis=0)
+        else:
+            s = _dot(q0, tl.trans(u0), s_init, F32)
+            s = _dot(q1, tl.trans(u1), s, F32)
+            s = _dot(q2, tl.trans(u2), s, F32)
+            s = _dot(q3, tl.trans(u3), s, F32)
+            ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+            kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+            kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
+            s3 = tl.reshape(s, [NGK, HGP, BLOCK_N])
+            x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum), axis=0)
+            x = tl.where(valid[None, :], x, float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(x - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
         m = m_new
 
         vp = tl.load(vc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
         w0, w1, w2, w3 = _unpack(vp, USE_ASM)
-        vsc = tl.load(vsc_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
-        vz = tl.load(vz_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
-        vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
-        a3f = p[None, :, :] * vstep[:, None, :]
-        a3 = a3f.to(tl.bfloat16)
-        z_sum = z_sum * alpha[None, :] + tl.sum(a3f * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
-        a = tl.reshape(a3, [MV, BLOCK_N])
+        if KEY_T:
+            vsc = tl.load(vsc_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
+            vz = tl.load(vz_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
+            vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
+            a3f = p[:, None, :] * vstep[:, :, None]
+            a3 = a3f.to(tl.bfloat16)
+            z_sum = z_sum * alpha[None, :] + tl.sum(a3f * (vz.to(tl.float32) * 0.25)[:, :, None], axis=0)
+            a = tl.trans(tl.reshape(a3, [BLOCK_N, MV]))
+        else:
+            vsc = tl.load(vsc_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
+            vz = tl.load(vz_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
+            vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
+            a3f = p[None, :, :] * vstep[:, None, :]
+            a3 = a3f.to(tl.bfloat16)
+            z_sum = z_sum * alpha[None, :] + tl.sum(a3f * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
+            a = tl.reshape(a3, [MV, BLOCK_N])
         alpha_rows = tl.reshape(tl.broadcast_to(alpha[None, :], [NGV, HGP]), [MV])[:, None]
         acc0 = _dot(a, w0, acc0 * alpha_rows, F32)
         acc1 = _dot(a, w1, acc1 * alpha_rows, F32)
@@ -227,7 +294,7 @@ def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr
                   len_ptr, po_ptr, pm_ptr, pl_ptr, scale_log2, log2_scale, T, chunk, NS,
                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_ASM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr,
                   F32: tl.constexpr):
     sid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -244,7 +311,7 @@ def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr
         start = (sid - NW) * chunk
         end = tl.minimum(start + chunk, n_int2)
         _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
-                   bh, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, USE_ASM, F32)
+                   bh, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, KEY_T, USE_ASM, F32)
 
 
 @triton.jit
@@ -304,10 +371,14 @@ def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms:
 
 
 def default_config(batch: int, kv_heads: int, max_int2: int) -> dict:
-    """Launch settings by the number of (sequence, KV head) pairs (tuned on an H100 at 100K context)."""
-    if batch * kv_heads >= 128:
-        return dict(block_n=128, num_warps=4, num_stages=2, waves=4)
-    return dict(block_n=128, num_warps=4, num_stages=2, waves=2)
+    """Launch settings by the number of (sequence, KV head) pairs (tuned on an H100 at 100K context:
+    v4 in bench/results/kernel_notes.md)."""
+    pairs = batch * kv_heads
+    if pairs >= 128:
+        return dict(block_n=128, num_warps=4, num_stages=3, waves=4, key_t=False)
+    if pairs > 16:
+        return dict(block_n=128, num_warps=4, num_stages=2, waves=2, key_t=False)
+    return dict(block_n=256, num_warps=4, num_stages=2, waves=2, key_t=True)
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
@@ -315,12 +386,12 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      max_length: int | None = None, block_n: int | None = None, block_w: int = 64,
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
-                     reduce_splits: int = 8) -> torch.Tensor:
+                     reduce_splits: int = 8, key_t: bool | None = None) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     max_length (the largest cache.lengths, if the caller knows it) saves a device-to-host read.
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
-    Launch settings left as None come from default_config.
+    Launch settings left as None come from default_config (key_t: the score tile's orientation).
     Every sequence needs at least one token. The cache tensors must be contiguous."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
@@ -338,6 +409,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     waves = waves or cfg["waves"]
+    key_t = cfg["key_t"] if key_t is None else key_t
     chunk, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves)
     n_win = min(max_length, cache.sink_tokens + cache.recent_tokens)
     nw = -(-n_win // block_w)
@@ -354,7 +426,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
         cache.lengths, po, pm, pl, scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], chunk, ns,
         HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
-        QP=max(16, hgp), NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, USE_ASM=use_asm, F32=not q.is_cuda,
+        QP=max(16, hgp), NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, KEY_T=key_t, USE_ASM=use_asm, F32=not q.is_cuda,
         num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty(bsz, heads, d, dtype=q.dtype, device=q.device)
