@@ -9,7 +9,7 @@ import torch
 from oscar_core.bundle import (CONTEXTS_REPORTED, CalibrationInfo, Manifest, ModelInfo, QuantInfo, RotationInfo,
                                TensorFileInfo, manifest_json, write_bundle)
 from oscar_core.calibration import read_record, read_statistics
-from oscar_core.derive import DeriveOptions, derive_layer
+from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
 from oscar_core.quant import bits_per_element
@@ -44,6 +44,12 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     for variant in (opts.key_rotation, opts.value_rotation):
         if variant not in VARIANTS:
             raise OscarError(f"unknown rotation {variant}: one of {', '.join(VARIANTS)}")
+    if opts.key_clip_objective not in KEY_CLIP_OBJECTIVES:
+        raise OscarError(f"unknown key clip objective {opts.key_clip_objective}: one of {', '.join(KEY_CLIP_OBJECTIVES)}")
+    try:
+        key_clip_grid(opts)
+    except ValueError as e:
+        raise OscarError(str(e)) from None
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", version):
         raise OscarError(f"invalid --version {version!r}: use letters, digits, '.', '_' or '-'")
     record = read_record(calib_dir)
@@ -89,6 +95,7 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     manifest = Manifest(
         name=name or bundle_name(model), version=version, model=model,
         quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
+                        clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor, opts.clip_grid),
                         bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED}),
         rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
                               key_centering=opts.key_centering, value_centering=opts.value_centering),

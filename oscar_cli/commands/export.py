@@ -31,10 +31,13 @@ def export(
     key_centering: Annotated[bool, typer.Option(help="Subtract the calibrated key mean (attention-invariant).")] = True,
     value_centering: Annotated[bool, typer.Option(help="Subtract the value mean (added back to the output).")] = False,
     group_size: Annotated[int, typer.Option(help="INT2 group size for keys and values (capped at head_dim).")] = 64,
+    key_clip_objective: Annotated[str, typer.Option(help="Key clip search objective: logit (Σ e C_Q eᵀ), output, kl or weighted-logit (attention-aware, on the probe).")] = DeriveOptions.key_clip_objective,
+    key_clip_floor: Annotated[float, typer.Option(help="Smallest key clip ratio the search may pick.")] = DeriveOptions.key_clip_floor,
 ) -> None:
     """Compute R_K = U_Q·H·P_br, R_V = U_S·H·P_br and calibrated clip thresholds; write a rotation bundle."""
     opts = DeriveOptions(key_rotation=key_rotation, value_rotation=value_rotation, key_centering=key_centering,
-                         value_centering=value_centering, key_group_size=group_size, value_group_size=group_size)
+                         value_centering=value_centering, key_group_size=group_size, value_group_size=group_size,
+                         key_clip_objective=key_clip_objective, key_clip_floor=key_clip_floor)
     with progress() as bar:
         task = bar.add_task("deriving rotations", total=None, rate="layers")
         path, manifest = export_bundle(calib_dir, out, version=version, name=name, opts=opts,
