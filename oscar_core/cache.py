@@ -12,15 +12,29 @@ update() follows the serving convention: a single decoded token is written first
 what the store holds (INT2 dequantized, back in original space); the tokens of a multi-token update
 (prefill, or a prefill chunk) attend to the stored past plus themselves as computed (in flight).
 INT2 writes use the Triton write kernel (oscar_core/triton/write.py) on CUDA for per-token groups,
-and the torch reference (quant.quantize, as oscar_core/kvstore.py) elsewhere; reads dequantize in torch.
+and the torch reference (quant.quantize, as oscar_core/kvstore.py) elsewhere.
+
+Reads: in torch (the whole store dequantized into [B, H_kv, L, d]), except single-token decode steps
+inside `with oscar_attention(model, cache):` when the cache reads by kernel (on CUDA, or kernel_reads=True):
+update() then only writes, and the attention function runs the Triton decode kernel
+(oscar_core/triton/decode.py) on the layer's store seen as a kvstore.Int2KVCache: the INT2 codes, scales
+and zero codes as they are (no copy), the BF16 sink and recent windows rotated and centred into padded
+buffers (at most S + W tokens per step). Prefill keeps exact sdpa attention. A layer the kernel cannot
+read (a side in BF16 or per-channel groups, head_dim or group sizes not multiples of 64) reads in torch.
 Memory is measured: nbytes() sums the storage of every tensor the cache holds.
 """
+
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from oscar_core import methods
 from oscar_core.errors import OscarError
+from oscar_core.kvstore import Int2KVCache
+from oscar_core.statistics import route_attention
+
+ATTENTION_NAME = "oscar_cache"
 
 
 def _triton_write():
@@ -83,6 +97,21 @@ class SideStore:
         parts.append(self.recent.to(dtype))
         return torch.cat(parts, dim=2)
 
+    def kernel_parts(self) -> dict[str, torch.Tensor]:
+        """This side as the kvstore.Int2KVCache fields `sink`, `recent`, `codes`, `scale`, `zero`: windows
+        rotated and centred, padded to S and W rows; the INT2 tensors themselves (one zero row if none)."""
+        b, h, _, d = self.sink.shape
+        out = {}
+        for name, x, rows in (("sink", self.sink, self.sink_tokens), ("recent", self.recent, self.recent_tokens)):
+            out[name] = torch.zeros(b, h, rows, d, dtype=torch.bfloat16, device=x.device)
+            out[name][:, :, :x.shape[2]] = methods.rotate(self.side, x)
+        if self.int2 is not None:
+            return out | self.int2
+        g = self.side.group_size
+        return out | {"codes": self.sink.new_zeros(b, h, 1, d // 4, dtype=torch.uint8),
+                      "scale": self.sink.new_zeros(b, h, 1, d // g, dtype=torch.uint8),
+                      "zero": self.sink.new_zeros(b, h, 1, d // g, dtype=torch.int8)}
+
     def length(self) -> int:
         return 0 if self.sink is None else self.sink.shape[2] + self.n_int2 + self.recent.shape[2]
 
@@ -99,6 +128,8 @@ class OscarLayer(DynamicLayer):
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.sink_tokens, self.recent_tokens = sink, recent
         self.key_store = self.value_store = None
+        self.kernel_reads = False   # set by oscar_attention: single-token steps read by the decode kernel
+        self.deferred = False       # the last update was a decode step whose read is left to the kernel
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -111,6 +142,7 @@ class OscarLayer(DynamicLayer):
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
         self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens)
         self.value_store = SideStore(lm.value, self.sink_tokens, self.recent_tokens)
+        self.kernel_problem = kernel_problem(lm, head_dim)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -121,11 +153,39 @@ class OscarLayer(DynamicLayer):
             past_k, past_v = self.key_store.read(key_states.dtype), self.value_store.read(value_states.dtype)
         self.key_store.append(key_states)
         self.value_store.append(value_states)
+        self.deferred = n == 1 and self.kernel_reads and self.kernel_problem is None
+        if self.deferred:
+            return key_states, value_states   # placeholders: oscar_attention reads the store by kernel
         if n == 1:
             return self.key_store.read(key_states.dtype), self.value_store.read(value_states.dtype)
         if self.key_store.length() == n:
             return key_states, value_states
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """All keys and values in original space, [B, H_kv, L, d] each (the torch read)."""
+        return self.key_store.read(dtype), self.value_store.read(dtype)
+
+    def kernel_view(self) -> Int2KVCache:
+        """The store as the decode kernel reads it (see SideStore.kernel_parts)."""
+        k, v = self.key_store.kernel_parts(), self.value_store.kernel_parts()
+        fields = {f"{side}_{name}": t for side, parts in (("key", k), ("value", v)) for name, t in parts.items()}
+        lengths = torch.full((k["sink"].shape[0],), self.get_seq_length(), dtype=torch.int32, device=k["sink"].device)
+        return Int2KVCache(**fields, lengths=lengths, key_group_size=self.key_store.side.group_size,
+                           value_group_size=self.value_store.side.group_size)
+
+    def decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Triton decode attention of query [B, H, d] (original space) over the store -> [B, H, d]."""
+        from oscar_core.triton.decode import decode_attention
+
+        ks, vs = self.key_store.side, self.value_store.side
+        d, heads = query.shape[-1], self.key_store.sink.shape[1]
+        eye = torch.eye(d, device=query.device).expand(heads, d, d)
+        rk = eye if ks.rotation is None else ks.rotation.to(query.device)
+        rv = eye if vs.rotation is None else vs.rotation.to(query.device)
+        mean = None if vs.mean is None else vs.mean.to(query.device)
+        return decode_attention(query.contiguous(), self.kernel_view(), rk, rv, mean, scaling,
+                                max_length=self.get_seq_length())
 
     def get_seq_length(self) -> int:
         return 0 if self.key_store is None else self.key_store.length()
@@ -154,10 +214,12 @@ class OscarCache(Cache):
 
     method: one of methods.METHODS; bundle: needed for "oscar", and gives the layer count, the group
     sizes and the BF16 windows; without a bundle pass num_layers (or config=model.config).
+    kernel_reads: whether oscar_attention reads decode steps by the Triton kernel; None: when the model
+    is on CUDA (True forces it, e.g. on the CPU under TRITON_INTERPRET=1; False: torch reads always).
     """
 
     def __init__(self, bundle=None, method: str = "oscar", num_layers: int | None = None, config=None,
-                 sink_tokens: int | None = None, recent_tokens: int | None = None):
+                 sink_tokens: int | None = None, recent_tokens: int | None = None, kernel_reads: bool | None = None):
         methods.check_method(method)
         if method == "oscar" and bundle is None:
             raise OscarError("OscarCache(method='oscar') needs a rotation bundle")
@@ -171,7 +233,7 @@ class OscarCache(Cache):
         sink, recent = methods.windows(method, bundle)
         sink = sink if sink_tokens is None else sink_tokens
         recent = recent if recent_tokens is None else recent_tokens
-        self.method = method
+        self.method, self.kernel_reads = method, kernel_reads
         super().__init__(layers=[OscarLayer(method, i, bundle, sink, recent) for i in range(num_layers)])
 
     def nbytes(self) -> int:
@@ -186,3 +248,49 @@ class OscarCache(Cache):
                 b, h, _, d = layer.key_store.sink.shape
                 total += 2 * b * h * layer.get_seq_length() * d * 2
         return total
+
+
+def kernel_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
+    """Why the decode kernel cannot read a layer of this method (None: it can)."""
+    sides = (lm.key, lm.value)
+    if any(side is None or side.axis != "token" for side in sides):
+        return "the kernel reads INT2 keys and values in per-token groups only"
+    if head_dim % 64 or any(side.group_size % 64 for side in sides):
+        return "the kernel needs head_dim and group sizes that are multiples of 64"
+    return None
+
+
+@contextmanager
+def oscar_attention(model, cache: OscarCache):
+    """Attention of `model` reading `cache` by the Triton decode kernel on single-token steps.
+
+    Inside, every attention layer runs exact sdpa, except a decode step (one query token, no padding
+    masked out) of a layer the kernel can read (kernel_problem), which runs
+    triton.decode.decode_attention on the layer's store instead of dequantizing it. Nothing is
+    changed unless the cache reads by kernel (kernel_reads, or by default a model on CUDA).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    use = cache.kernel_reads if cache.kernel_reads is not None else model.device.type == "cuda"
+    if not use:
+        yield
+        return
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer = cache.layers[module.layer_idx]
+        scaling = scaling or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        if query.shape[2] == 1 and layer.deferred:
+            if attention_mask is None or (attention_mask.dtype == torch.bool and bool(attention_mask.all())):
+                out = layer.decode_attention(query[:, :, 0], float(scaling))
+                return out.to(query.dtype).unsqueeze(1), None          # [B, 1, H, d]
+            key, value = layer.read(query.dtype)                       # padded batch: torch read, masked sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    for layer in cache.layers:
+        layer.kernel_reads = True
+    try:
+        with route_attention(model, ATTENTION_NAME, attention, mask="sdpa"):
+            yield
+    finally:
+        for layer in cache.layers:
+            layer.kernel_reads = layer.deferred = False

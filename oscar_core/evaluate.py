@@ -6,7 +6,8 @@ every query reading the cache as an INT2 cache would hold it when that query is 
 Needle (generation through OscarCache): a pass key is hidden at relative depth δ of L tokens of
 held-out filler and asked back at the end. The prompt but its last token is prefilled once (exact
 attention, as a serving engine's prefill), its K/V are written into each method's OscarCache, and
-model.generate decodes the last prompt token and the answer through that cache; exact match of the key.
+model.generate decodes the last prompt token and the answer through that cache (on CUDA, read by the
+Triton decode kernel: cache.oscar_attention); exact match of the key.
 """
 
 import math
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oscar_core import methods
-from oscar_core.cache import OscarCache
+from oscar_core.cache import OscarCache, oscar_attention
 from oscar_core.data import DEFAULT_HELDOUT, texts, token_windows
 from oscar_core.errors import OscarError
 from oscar_core.simulate import simulate_int2
@@ -142,8 +143,9 @@ def needle_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[st
         cache = OscarCache(bundle, m, num_layers=num_layers)
         for i, (k, v) in enumerate(kv):
             cache.update(k, v, i)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                             max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        with oscar_attention(model, cache):
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                 max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         out[m] = (tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), cache.get_seq_length(),
                   cache.nbytes(), cache.bf16_nbytes())
     return out

@@ -128,12 +128,16 @@ class AttentionStatistics:
 
 
 @contextmanager
-def route_attention(model, name: str, attention):
+def route_attention(model, name: str, attention, mask: str | None = None):
     """Run every attention layer of `model` through `attention` (transformers' attention-function signature),
-    registered under `name` with AttentionInterface; the previous implementation is restored on exit."""
+    registered under `name` with AttentionInterface; the previous implementation is restored on exit.
+    mask: the attention-mask builder to register with it (e.g. "sdpa"); None: the layers get no mask."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(name, attention)
+    if mask is not None:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:
