@@ -16,6 +16,7 @@ from oscar_core.bundle import MANIFEST_FILE, Manifest, load_bundle
 from oscar_core.card import model_card
 from oscar_core.errors import OscarError
 from oscar_core.fileio import sha256_bytes
+from oscar_core.verify import recorded_figures
 from oscar_core.hub_clients import HfClient, ModelScopeClient, Remote, RemoteFile
 
 HUBS = ("hf", "modelscope")
@@ -87,9 +88,11 @@ def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, pri
     manifest_data = (loaded.path / MANIFEST_FILE).read_bytes()
     if sha256_bytes(tensor_data) != manifest.tensors.sha256 or Manifest.model_validate_json(manifest_data) != manifest:
         raise OscarError(f"bundle {loaded.path} changed while it was being read")
+    figures = manifest.fidelity or recorded_figures(loaded.path)  # the card shows `verify --record` figures
+    card = model_card(manifest.model_copy(update={"fidelity": figures}), hub, repo)
     files = (UploadFile(manifest.tensors.file, tensor_data),
              UploadFile(MANIFEST_FILE, manifest_data),
-             UploadFile(CARD_FILE, model_card(manifest, hub, repo).encode()))
+             UploadFile(CARD_FILE, card.encode()))
     return Plan(hub, repo, revision, private, manifest, files)
 
 

@@ -22,6 +22,7 @@ from oscar_core.metrics import causal_attention, kl_divergence, relative_error, 
 from oscar_core.rotations import orthogonality_error
 
 ORTHOGONALITY_TOLERANCE = 1e-5
+VERIFY_FILE = "verify.json"  # `oscar verify --record` writes the headline figures beside the bundle
 COMPARED = ("oscar", "hadamard", "int2")
 FACTS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
@@ -149,6 +150,27 @@ def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool) -> dict
     if use_kernels:
         report["decode_kernel_error"] = decode_kernel_errors(held, bundle)
     return report
+
+
+def headline(report: dict) -> dict[str, float]:
+    """The figures a zoo table or model card shows, rounded: OSCAR vs Hadamard, and end to end."""
+    mean, e2e = report["mean"], report["end_to_end"]
+    figures = {"logit_error": mean["oscar_key"], "hadamard_logit_error": mean["hadamard_key"],
+               "output_error": mean["oscar_value"], "hadamard_output_error": mean["hadamard_value"],
+               "kl": e2e["kl"], "top1_agreement": e2e["top1_agreement"]}
+    return {k: round(v, 4) for k, v in figures.items()}
+
+
+def recorded_figures(bundle_dir) -> dict[str, float] | None:
+    """The figures `oscar verify --record` left beside a bundle, if any."""
+    import json
+    from pathlib import Path
+
+    path = Path(bundle_dir) / VERIFY_FILE
+    try:
+        return json.loads(path.read_text())["figures"] if path.is_file() else None
+    except (ValueError, KeyError):
+        return None
 
 
 def resolve_model_spec(model: str | None, manifest_model: ModelInfo) -> str | None:

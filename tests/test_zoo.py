@@ -158,6 +158,24 @@ def test_list_shows_bits_calibration_and_verify_figures(roots, capfd, monkeypatc
         assert text in row, text
 
 
+def test_list_shows_figures_recorded_by_verify(roots, capfd, monkeypatch):
+    """A manifest without figures: zoo list reads the verify.json that `oscar verify --record` left beside it."""
+    import json
+
+    zoo_root, manifests = roots
+    bundle = zoo_root / "oscar-test" / "tiny-llama" / "v1"
+    write_tiny_bundle(bundle, fidelity={})
+    manifest = json.loads((bundle / MANIFEST_FILE).read_text())
+    manifest["fidelity"] = None
+    (manifests / "oscar-test" / "tiny-llama").mkdir(parents=True)
+    (manifests / "oscar-test" / "tiny-llama" / "v1.json").write_text(json.dumps(manifest))
+    (bundle / "verify.json").write_text(json.dumps({"figures": {"logit_error": 0.1885, "kl": 0.0131}}))
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = oscar(capfd, monkeypatch, "zoo", "list", "--zoo", str(zoo_root), "--manifests", str(manifests))
+    row = next(line for line in out.splitlines() if "oscar-test/tiny-llama" in line)
+    assert code == 0 and "kl 0.0131" in row and "logit_error 0.1885" in row
+
+
 @pytest.mark.slow
 def test_committed_default_bundle_rebuilds_byte_identical():
     """`oscar zoo check` on the repo's own zoo: the committed default-model bundle is reproducible here."""

@@ -12,7 +12,8 @@ from oscar_core.data import DEFAULT_HELDOUT, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_json
 from oscar_core.models import load_model, resolve_device
-from oscar_core.verify import check_model, check_tensors, first_failure, resolve_model_spec, verify as measure
+from oscar_core.verify import (VERIFY_FILE, check_model, check_tensors, first_failure, headline, resolve_model_spec,
+                               verify as measure)
 
 EXAMPLES = """
 Examples:
@@ -37,6 +38,7 @@ def verify(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report here.")] = None,
     max_logit_error: Annotated[Optional[float], typer.Option(help="Fail when OSCAR's mean logit error passes this; default: the manifest's.")] = None,
     checks_only: Annotated[bool, typer.Option(help="Only check the bundle (no model run).")] = False,
+    record: Annotated[bool, typer.Option(help="Write the headline figures to verify.json beside the bundle (zoo list and model cards show them).")] = False,
 ) -> None:
     """Check a bundle (schema, checksum, shapes, orthogonality, clips, model match), then measure its INT2 error."""
     b = load_bundle(bundle)
@@ -72,6 +74,11 @@ def verify(
     if json_out:
         atomic_write_json(json_out, report)
         console.print(f"report → {json_out}")
+    if record:
+        summary = {k: report[k] for k in ("name", "version", "data", "data_fingerprint", "samples", "seq_len",
+                                          "device", "path", "passed")}
+        atomic_write_json(b.path / VERIFY_FILE, {**summary, "figures": headline(report)})
+        console.print(f"figures → {b.path / VERIFY_FILE}")
     if not report["passed"]:
         err_console.print(f"[bold red]error:[/] OSCAR mean logit error {report['mean']['oscar_key']:.4f} "
                           f"is above the threshold {threshold}")

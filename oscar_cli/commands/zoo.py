@@ -9,6 +9,7 @@ from rich.table import Table
 from oscar_cli.ui import console, err_console, progress
 from oscar_core import zoo as zoo_core
 from oscar_core.errors import OscarError
+from oscar_core.verify import recorded_figures
 
 app = typer.Typer(name="zoo", no_args_is_help=True,
                   help="The bundle zoo: one recipe per model in zoo/recipes/, bundles in zoo/, manifests in manifests/.")
@@ -27,7 +28,8 @@ def list_zoo(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifest
     for m in built:
         bits = m.quant.bits_per_element.get("131072")
         c = m.calibration
-        verify = ", ".join(f"{k} {v:.4g}" for k, v in sorted((m.fidelity or {}).items())) or "-"
+        figures = m.fidelity or recorded_figures(zoo / m.name / m.version) or {}
+        verify = ", ".join(f"{k} {v:.4g}" for k, v in sorted(figures.items())) or "-"
         table.add_row(m.name, m.version, f"{bits:.3f}" if bits is not None else "-",
                       f"{c.data} {c.samples}×{c.seq_len} seed {c.seed}", verify)
     have = {(m.name, m.version) for m in built}
