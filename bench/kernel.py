@@ -62,6 +62,28 @@ def graph_bench(fn) -> float:
     return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
+def kernel_times(fn, calls: int = 20) -> dict:
+    """Device time per call of each kernel fn launches (torch.profiler, eager), in ms."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
+            times[e.key] = times.get(e.key, 0.0) + e.device_time_total / calls / 1e3
+    return times
+
+
+def stage(name: str) -> str:
+    for key, label in (("_rotate", "rotate"), ("_split", "split"), ("_reduce", "reduce")):
+        if key in name:
+            return label
+    return "other"
+
+
 def rel_err(out, ref):
     return ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
 
@@ -98,13 +120,16 @@ def bench_config(context, batch, layer, gen, bandwidth, variants):
             run = lambda: decode.decode_attention(*args, max_length=context, **kw)  # noqa: E731
             t = do_bench(run, warmup=25, rep=200, return_mode="median")
             g = graph_bench(run)
+            parts = {}
+            for kname, ms in kernel_times(run).items():
+                parts[stage(kname)] = parts.get(stage(kname), 0.0) + ms
         except Exception as e:  # a variant that fails to compile is reported, not fatal
             print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         floor_ms = nbytes / bandwidth * 1e3
         rows.append(dict(context=context, batch=batch, variant=name, sdpa=t_sdpa, int2=t, speedup=t_sdpa / t,
                          gsdpa=g_sdpa, gint2=g, gspeedup=g_sdpa / g,
-                         mbytes=nbytes / 1e6, floor=floor_ms, frac=floor_ms / g, err=err))
+                         mbytes=nbytes / 1e6, floor=floor_ms, frac=floor_ms / g, err=err, parts=parts))
         print(f"  {context:>6} x{batch:<2} {name:<22} sdpa {t_sdpa:.4f}/{g_sdpa:.4f} ms  int2 {t:.4f}/{g:.4f} ms  "
               f"x{t_sdpa / t:.2f}/x{g_sdpa / g:.2f}  floor {floor_ms:.4f} ms ({floor_ms / g:.0%})  err {err:.2e}",
               flush=True)
@@ -141,7 +166,7 @@ def render(rows, sweep, wr, bandwidth) -> str:
         f"- measured copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s",
         "- times: median of triton.testing.do_bench (L2 cleared before each run), eager (a Python call per "
         "run, as a plain caller sees it) and CUDA-graph replay (as a serving engine runs decode); INT2 time "
-        "includes the query rotation (torch), the split kernel and the reduce (R_V^T and μ_V applied)",
+        "includes the query rotation kernel, the split kernel and the reduce (R_V^T and μ_V applied)",
         "- byte floor: fewest bytes the INT2 decode must move (codes, scale/zero codes, BF16 windows, q, out) "
         "over the copy bandwidth; 'of floor' = floor time / graph time",
         "- err: max over rows of ‖out − ref‖/‖ref‖ against kvstore.decode_attention_reference (float32)",
@@ -156,6 +181,17 @@ def render(rows, sweep, wr, bandwidth) -> str:
         lines.append(f"| {r['context']} | {r['batch']} | {r['sdpa']:.4f} | {r['int2']:.4f} | {r['speedup']:.2f}x | "
                      f"{r['gsdpa']:.4f} | {r['gint2']:.4f} | {r['gspeedup']:.2f}x | {r['mbytes']:.1f} | "
                      f"{r['floor']:.4f} | {r['frac']:.0%} | {r['err']:.1e} |")
+    lines += ["", "## Where the time goes (default settings)", "",
+              "Device time per call of each launch (torch.profiler, eager calls), against the graph replay time; "
+              "'gaps' = graph time − the kernels' sum (launch latency between the kernels of one decode).", "",
+              "| context | batch | rotate ms | split ms | reduce ms | other ms | kernels ms | graph ms | gaps ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["parts"]
+        total = sum(p.values())
+        lines.append(f"| {r['context']} | {r['batch']} | {p.get('rotate', 0):.4f} | {p.get('split', 0):.4f} | "
+                     f"{p.get('reduce', 0):.4f} | {p.get('other', 0):.4f} | {total:.4f} | {r['gint2']:.4f} | "
+                     f"{r['gint2'] - total:.4f} |")
     lines += ["", "## Targets", ""]
     for context, batch, target in ((100_000, 32, 6.0), (100_000, 1, 4.0)):
         hit = [r for r in rows if r["context"] == context and r["batch"] == batch and r["err"] < 1e-2]
@@ -210,13 +246,18 @@ def main():
             rows += bench_config(context, batch, layer, gen, bandwidth, default)
     sweep = []
     if args.sweep:
-        variants = [("triton unpack", dict(use_asm=False))]
-        for key_t in (False, True):
-            for bn, nw, stages in ((64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2)):
-                for waves in (2, 4, 8):
-                    variants.append((f"n{bn} w{nw} s{stages} waves{waves}" + (" keyT" if key_t else ""),
-                                     dict(block_n=bn, num_warps=nw, num_stages=stages, waves=waves, key_t=key_t)))
-        for batch in (1, 8, 32):
+        def variant(bn, stages, waves, key_t):
+            return (f"n{bn} s{stages} waves{waves}" + (" keyT" if key_t else ""),
+                    dict(block_n=bn, num_warps=4, num_stages=stages, waves=waves, key_t=key_t))
+        plans = {
+            1: [variant(bn, 2, w, True) for bn in (128, 256) for w in (2, 4, 8, 16)]
+               + [variant(128, 3, w, False) for w in (4, 8, 16)]
+               + [(f"n256 s2 waves{w} keyT reduce{sb}", dict(block_n=256, num_stages=2, waves=w, key_t=True,
+                                                              reduce_splits=sb)) for w in (2, 8) for sb in (16, 32)],
+            8: [variant(128, 3, w, False) for w in (4, 8, 16)] + [variant(256, 2, w, True) for w in (8, 16)],
+            32: [variant(128, 3, w, False) for w in (2, 4, 8)],
+        }
+        for batch, variants in plans.items():
             sweep += bench_config(100_000, batch, layer, gen, bandwidth, variants)
     wr = bench_write(gen, bandwidth)
     print(f"write: {wr}", flush=True)

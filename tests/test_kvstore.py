@@ -109,7 +109,11 @@ def test_append_token_matches_prefill():
     for t in range(300, n):
         kvstore.append_token(grown, keys[:, t], values[:, t], layer)
     assert grown.lengths.tolist() == [n, n]
-    assert torch.equal(grown.key_sink, full.key_sink) and torch.equal(grown.value_recent, full.value_recent)
+    # The BF16 windows hold the same float32 rotation, computed on differently shaped matmuls: equal up
+    # to the rounding of the last float32 bits into bf16 (one bf16 step, rarely).
+    for a, b in ((grown.key_sink, full.key_sink), (grown.value_recent, full.value_recent)):
+        assert torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=0)
+        assert (a == b).float().mean() > 0.99
     # Evicted tokens are quantized from their BF16 copy, prefilled ones from float32: nearly the same codes.
     rows = n - S - W
     same = quant.unpack_int2(grown.key_codes[:, :, :rows]) == quant.unpack_int2(full.key_codes[:, :, :rows])

@@ -112,6 +112,18 @@ def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_gr
     assert err.max() < 1e-2, err
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(32, 8, 128), (9, 3, 64)])
+def test_rotate_query_kernel_matches_reference(heads, kv_heads, d):
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(3, heads, d, generator=gen).bfloat16()
+    rot = orthogonal(kv_heads, d, gen)
+    out = decode.rotate_query_bf16(q.to(DEVICE), rot.to(DEVICE)).cpu()
+    ref = kvstore.rotate_query(q, rot)
+    assert out.dtype == torch.bfloat16
+    # float32 sums in another order, then one bf16 rounding: within one bf16 step of the reference.
+    assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=1e-6)
+
+
 def test_plan_splits_fills_the_machine():
     chunk, splits = decode.plan_splits(batch=1, kv_heads=8, max_int2=100_000, block_n=64, num_sms=132)
     assert chunk % 64 == 0 and splits * chunk >= 100_000 and 8 * splits >= 4 * 132

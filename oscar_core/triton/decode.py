@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar_core.kvstore import Int2KVCache, rotate_query
+from oscar_core.kvstore import Int2KVCache
 
 LOG2E = 1.4426950408889634
 
@@ -352,6 +352,37 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
     tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+@triton.jit
+def _rotate_kernel(q_ptr, rk_ptr, out_ptr, HKV: tl.constexpr, HG: tl.constexpr, HGP: tl.constexpr,
+                   D: tl.constexpr, BLOCK_E: tl.constexpr):
+    """q̃[b, h·HG + r, e] = Σ_c q[b, h·HG + r, c]·R_K[h, c, e] in float32, stored bf16, for columns
+    [e0, e0 + BLOCK_E): kvstore.rotate_query in one launch."""
+    bh = tl.program_id(0)
+    e0 = tl.program_id(1) * BLOCK_E
+    h = bh % HKV
+    r = tl.arange(0, HGP)
+    c = tl.arange(0, D)
+    e = e0 + tl.arange(0, BLOCK_E)
+    rows = (bh * HG + r)[:, None]
+    q = tl.load(q_ptr + rows * D + c[None, :], mask=(r < HG)[:, None], other=0.0).to(tl.float32)
+    rot = tl.load(rk_ptr + h * D * D + c[:, None] * D + e[None, :])
+    y = tl.sum(q[:, :, None] * rot[None, :, :], axis=1)
+    tl.store(out_ptr + rows * D + e[None, :], y.to(tl.bfloat16), mask=(r < HG)[:, None])
+
+
+def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tensor:
+    """Triton kvstore.rotate_query, rounded to bf16: q [B, H, d] -> q̃ bf16 [B, H, d]."""
+    bsz, heads, d = q.shape
+    kv_heads = key_rotation.shape[0]
+    hg = heads // kv_heads
+    out = torch.empty(bsz, heads, d, dtype=torch.bfloat16, device=q.device)
+    block_e = 16
+    _rotate_kernel[(bsz * kv_heads, d // block_e)](
+        q.contiguous(), key_rotation.float().contiguous(), out, HKV=kv_heads, HG=hg, HGP=_pow2(hg), D=d,
+        BLOCK_E=block_e, num_warps=4)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -372,12 +403,12 @@ def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms:
 
 def default_config(batch: int, kv_heads: int, max_int2: int) -> dict:
     """Launch settings by the number of (sequence, KV head) pairs (tuned on an H100 at 100K context:
-    v4 in bench/results/kernel_notes.md)."""
+    v4 and v5 in bench/results/kernel_notes.md)."""
     pairs = batch * kv_heads
     if pairs >= 128:
         return dict(block_n=128, num_warps=4, num_stages=3, waves=4, key_t=False)
     if pairs > 16:
-        return dict(block_n=128, num_warps=4, num_stages=2, waves=2, key_t=False)
+        return dict(block_n=128, num_warps=4, num_stages=3, waves=8, key_t=False)
     return dict(block_n=256, num_warps=4, num_stages=2, waves=2, key_t=True)
 
 
@@ -416,7 +447,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     ns = nw + n_int2
 
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
-    q_rot = rotate_query(q, key_rotation).to(torch.bfloat16).contiguous()
+    q_rot = rotate_query_bf16(q, key_rotation)
     work = torch.empty(bsz * kv_heads * ns * hg * (d + 2), dtype=torch.float32, device=q.device)
     split = bsz * kv_heads * ns * hg
     po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):]
