@@ -32,7 +32,7 @@ def copy_bandwidth() -> float:
 
 
 def orthogonal(heads, d, gen):
-    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, device="cuda", dtype=torch.float64))[0].float()
+    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, device="cuda", dtype=torch.float64))[0].float().contiguous()
 
 
 def make_layer(gen):
@@ -123,6 +123,8 @@ def bench_config(context, batch, layer, gen, bandwidth, variants):
             parts = {}
             for kname, ms in kernel_times(run).items():
                 parts[stage(kname)] = parts.get(stage(kname), 0.0) + ms
+                if stage(kname) == "other":
+                    print(f"  other kernel: {kname[:120]} {ms:.4f} ms", flush=True)
         except Exception as e:  # a variant that fails to compile is reported, not fatal
             print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue

@@ -417,12 +417,13 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      max_length: int | None = None, block_n: int | None = None, block_w: int = 64,
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
-                     reduce_splits: int = 8, key_t: bool | None = None) -> torch.Tensor:
+                     reduce_splits: int | None = None, key_t: bool | None = None) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     max_length (the largest cache.lengths, if the caller knows it) saves a device-to-host read.
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
-    Launch settings left as None come from default_config (key_t: the score tile's orientation).
+    Launch settings left as None come from default_config (key_t: the score tile's orientation);
+    reduce_splits (splits the reduce merges per step) from the number of splits.
     Every sequence needs at least one token. The cache tensors must be contiguous."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
@@ -464,7 +465,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     rv = value_rotation.float().contiguous()
     mean = value_mean.float().contiguous() if value_mean is not None else rv
     block_e = min(d, 16)
+    sb = reduce_splits or min(32, max(8, _pow2(ns)))
     _reduce_kernel[(bsz * kv_heads, d // block_e)](
-        po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=reduce_splits,
+        po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=sb,
         BLOCK_E=block_e, HAS_MEAN=value_mean is not None, num_warps=4)
     return out
