@@ -248,16 +248,15 @@ def main():
             rows += bench_config(context, batch, layer, gen, bandwidth, default)
     sweep = []
     if args.sweep:
-        def variant(bn, stages, waves, key_t):
-            return (f"n{bn} s{stages} waves{waves}" + (" keyT" if key_t else ""),
-                    dict(block_n=bn, num_warps=4, num_stages=stages, waves=waves, key_t=key_t))
+        def variant(bn, warps, stages, waves, key_t):
+            return (f"n{bn} w{warps} s{stages} waves{waves}" + (" keyT" if key_t else ""),
+                    dict(block_n=bn, num_warps=warps, num_stages=stages, waves=waves, key_t=key_t))
+        one_warp = [variant(64, 1, st, w, kt) for kt in (False, True) for st in (3, 4) for w in (32, 48, 64)]
         plans = {
-            1: [variant(bn, 2, w, True) for bn in (128, 256) for w in (2, 4, 8, 16)]
-               + [variant(128, 3, w, False) for w in (4, 8, 16)]
-               + [(f"n256 s2 waves{w} keyT reduce{sb}", dict(block_n=256, num_stages=2, waves=w, key_t=True,
-                                                              reduce_splits=sb)) for w in (2, 8) for sb in (16, 32)],
-            8: [variant(128, 3, w, False) for w in (4, 8, 16)] + [variant(256, 2, w, True) for w in (8, 16)],
-            32: [variant(128, 3, w, False) for w in (2, 4, 8)],
+            1: [variant(bn, 4, 2, w, True) for bn in (128, 256) for w in (2, 4, 8)]
+               + [variant(64, 1, 3, w, kt) for kt in (False, True) for w in (16, 32)],
+            8: [variant(128, 4, 3, 8, False)] + one_warp,
+            32: [variant(128, 4, 3, 4, False)] + one_warp,
         }
         for batch, variants in plans.items():
             sweep += bench_config(100_000, batch, layer, gen, bandwidth, variants)

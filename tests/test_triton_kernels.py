@@ -112,6 +112,20 @@ def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_gr
     assert err.max() < 1e-2, err
 
 
+def test_decode_kernel_default_settings_for_many_sequences():
+    """17+ (sequence, KV head) pairs take default_config's one-warp programs."""
+    lengths = [700, 450, 321, 330, 600, 64, 500, 360, 420]
+    gen = torch.Generator().manual_seed(9)
+    cache, layer, q = build(gen, lengths, 8, 2, 64, 64, 64)
+    assert decode.default_config(len(lengths), 2, 380)["num_warps"] == 1
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
+                                             layer.value_mean, 0.125)
+    out = decode.decode_attention(q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE),
+                                  layer.value_rotation.to(DEVICE), layer.value_mean.to(DEVICE), 0.125).cpu()
+    err = (out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert err.max() < 1e-2, err
+
+
 @pytest.mark.parametrize("heads,kv_heads,d", [(32, 8, 128), (9, 3, 64)])
 def test_rotate_query_kernel_matches_reference(heads, kv_heads, d):
     gen = torch.Generator().manual_seed(heads)
@@ -127,5 +141,8 @@ def test_rotate_query_kernel_matches_reference(heads, kv_heads, d):
 def test_plan_splits_fills_the_machine():
     chunk, splits = decode.plan_splits(batch=1, kv_heads=8, max_int2=100_000, block_n=64, num_sms=132)
     assert chunk % 64 == 0 and splits * chunk >= 100_000 and 8 * splits >= 4 * 132
+    chunk, splits = decode.plan_splits(batch=8, kv_heads=8, max_int2=8000, block_n=64, num_sms=132, waves=48,
+                                       min_chunk=512)
+    assert chunk == 512 and splits == 16
     chunk, splits = decode.plan_splits(batch=32, kv_heads=8, max_int2=0, block_n=64, num_sms=132)
     assert splits == 0

@@ -392,24 +392,27 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms: int, waves: int = 4):
-    """(chunk, number of INT2 splits): INT2 rows per split, and enough INT2 splits to give about
-    `waves` programs per multiprocessor."""
+def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms: int, waves: int = 4,
+                min_chunk: int = 0):
+    """(chunk, number of INT2 splits): INT2 rows per split (a multiple of block_n, at least min_chunk),
+    and enough INT2 splits to give about `waves` programs per multiprocessor."""
     want = max(1, -(-waves * num_sms // (batch * kv_heads)))
-    chunk = max(block_n, -(-max(max_int2, 1) // want))
+    chunk = max(block_n, min_chunk, -(-max(max_int2, 1) // want))
     chunk = -(-chunk // block_n) * block_n
     return chunk, -(-max_int2 // chunk)
 
 
 def default_config(batch: int, kv_heads: int, max_int2: int) -> dict:
     """Launch settings by the number of (sequence, KV head) pairs (tuned on an H100 at 100K context:
-    v4 and v5 in bench/results/kernel_notes.md)."""
+    v5 in bench/results/kernel_notes.md). From 17 pairs up, one-warp programs: no cross-warp reductions
+    or barriers per tile, and enough of them (waves 48) to fill every multiprocessor, but at least 512 rows
+    each (short contexts would otherwise hand the reduce a hundred splits per sequence)."""
     pairs = batch * kv_heads
     if pairs >= 128:
-        return dict(block_n=128, num_warps=4, num_stages=3, waves=4, key_t=False)
+        return dict(block_n=64, num_warps=1, num_stages=4, waves=48, key_t=True, min_chunk=512)
     if pairs > 16:
-        return dict(block_n=128, num_warps=4, num_stages=3, waves=8, key_t=False)
-    return dict(block_n=256, num_warps=4, num_stages=2, waves=2, key_t=True)
+        return dict(block_n=64, num_warps=1, num_stages=3, waves=48, key_t=False, min_chunk=512)
+    return dict(block_n=256, num_warps=4, num_stages=2, waves=2, key_t=True, min_chunk=0)
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
@@ -442,7 +445,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     num_stages = num_stages or cfg["num_stages"]
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
-    chunk, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves)
+    chunk, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
     n_win = min(max_length, cache.sink_tokens + cache.recent_tokens)
     nw = -(-n_win // block_w)
     ns = nw + n_int2
