@@ -31,12 +31,18 @@ def test_tampered_tensor_file_is_refused(tmp_path):
         load_bundle(tmp_path)
 
 
+def edit_manifest(bundle_dir, section: str, key: str, value):
+    """Rewrite one field of a written bundle's manifest, as a hand edit would; returns the manifest path."""
+    path = bundle_dir / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest[section][key] = value
+    path.write_text(json.dumps(manifest))
+    return path
+
+
 def test_bad_manifests(tmp_path):
     write_tiny_bundle(tmp_path)
-    path = tmp_path / MANIFEST_FILE
-    manifest = json.loads(path.read_text())
-    manifest["quant"]["bits"] = 4
-    path.write_text(json.dumps(manifest))
+    path = edit_manifest(tmp_path, "quant", "bits", 4)
     with pytest.raises(OscarError, match="invalid manifest .*quant.bits"):
         read_manifest(tmp_path)
     path.write_text("{not json")
@@ -51,10 +57,7 @@ def test_bad_manifests(tmp_path):
 
 def test_manifest_that_lies_about_shapes(tmp_path):
     write_tiny_bundle(tmp_path)
-    path = tmp_path / MANIFEST_FILE
-    manifest = json.loads(path.read_text())
-    manifest["model"]["num_layers"] = 3
-    path.write_text(json.dumps(manifest))
+    edit_manifest(tmp_path, "model", "num_layers", 3)
     with pytest.raises(OscarError, match="lacks tensor layers.2"):
         load_bundle(tmp_path)
 

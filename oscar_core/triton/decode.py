@@ -33,39 +33,7 @@ from oscar_core.kvstore import Int2KVCache
 
 LOG2E = 1.4426950408889634
 
-_UNPACK_ASM = tl.constexpr("""
-{
-.reg .b32 lo, hi, one, neg;
-mov.b32 one, 0x3F803F80;
-mov.b32 neg, 0xC300C300;
-prmt.b32 lo, $8, 0, 0x4140;
-prmt.b32 hi, $8, 0, 0x4342;
-lop3.b32 $0, lo, 0x00030003, 0x43004300, 0xEA;
-fma.rn.bf16x2 $0, $0, one, neg;
-lop3.b32 $1, hi, 0x00030003, 0x43004300, 0xEA;
-fma.rn.bf16x2 $1, $1, one, neg;
-lop3.b32 $2, lo, 0x000c000c, 0x43004300, 0xEA;
-fma.rn.bf16x2 $2, $2, one, neg;
-lop3.b32 $3, hi, 0x000c000c, 0x43004300, 0xEA;
-fma.rn.bf16x2 $3, $3, one, neg;
-lop3.b32 $4, lo, 0x00300030, 0x43004300, 0xEA;
-fma.rn.bf16x2 $4, $4, one, neg;
-lop3.b32 $5, hi, 0x00300030, 0x43004300, 0xEA;
-fma.rn.bf16x2 $5, $5, one, neg;
-shr.b32 lo, lo, 2;
-shr.b32 hi, hi, 2;
-lop3.b32 $6, lo, 0x00300030, 0x43004300, 0xEA;
-fma.rn.bf16x2 $6, $6, one, neg;
-lop3.b32 $7, hi, 0x00300030, 0x43004300, 0xEA;
-fma.rn.bf16x2 $7, $7, one, neg;
-}
-""")
-
-
-_UNPACK_RAW_ASM = tl.constexpr("""
-{
-.reg .b32 lo, hi;
-prmt.b32 lo, $8, 0, 0x4140;
+_UNPACK_RAW_LINES = """prmt.b32 lo, $8, 0, 0x4140;
 prmt.b32 hi, $8, 0, 0x4342;
 lop3.b32 $0, lo, 0x00030003, 0x43004300, 0xEA;
 lop3.b32 $1, hi, 0x00030003, 0x43004300, 0xEA;
@@ -77,8 +45,20 @@ shr.b32 lo, lo, 2;
 shr.b32 hi, hi, 2;
 lop3.b32 $6, lo, 0x00300030, 0x43004300, 0xEA;
 lop3.b32 $7, hi, 0x00300030, 0x43004300, 0xEA;
-}
-""")
+""".splitlines()
+
+
+def _minus_128(line: str) -> str:
+    """After each lop3 that writes output $k, subtract 128 in packed bf16: $k = $k·1 − 128 (exact)."""
+    if not line.startswith("lop3"):
+        return line
+    out = line.split()[1].rstrip(",")
+    return f"{line}\nfma.rn.bf16x2 {out}, {out}, one, neg;"
+
+
+_UNPACK_RAW_ASM = tl.constexpr("{\n.reg .b32 lo, hi;\n" + "\n".join(_UNPACK_RAW_LINES) + "\n}")
+_UNPACK_ASM = tl.constexpr("{\n.reg .b32 lo, hi, one, neg;\nmov.b32 one, 0x3F803F80;\nmov.b32 neg, 0xC300C300;\n"
+                           + "\n".join(_minus_128(line) for line in _UNPACK_RAW_LINES) + "\n}")
 
 
 @triton.jit
