@@ -108,15 +108,18 @@ def _dot(a, b, acc, F32: tl.constexpr):
 @triton.jit
 def _query(q_ptr, rk_ptr, rows, cols, mask, h, D: tl.constexpr, ROTATE: tl.constexpr, F32: tl.constexpr):
     """q̃[rows, cols] in bf16, 0 where not mask: loaded (q_ptr holds q̃, _rotate_kernel's output) or, with
-    ROTATE, computed here from q_ptr = q as q[rows]·R_K[h][:, cols] (tf32, float32 accumulation)."""
+    ROTATE, computed here from q_ptr = q as q[rows]·R_K[h][:, cols] (tf32 products, float32 sums), 16 rows
+    of R_K at a time so the shared-memory operand stays small."""
     if ROTATE:
-        c = tl.arange(0, D)
-        q = tl.load(q_ptr + rows[:, None] * D + c[None, :]).to(tl.float32)
-        rot = tl.load(rk_ptr + h * D * D + c[:, None] * D + cols[None, :])
-        if F32:
-            y = tl.dot(q, rot)
-        else:
-            y = tl.dot(q, rot, input_precision="tf32")
+        y = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
+        for c0 in tl.static_range(0, D, 16):
+            c = c0 + tl.arange(0, 16)
+            q = tl.load(q_ptr + rows[:, None] * D + c[None, :]).to(tl.float32)
+            rot = tl.load(rk_ptr + h * D * D + c[:, None] * D + cols[None, :])
+            if F32:
+                y = tl.dot(q, rot, y)
+            else:
+                y = tl.dot(q, rot, y, input_precision="tf32")
         return tl.where(mask, y, 0.0).to(tl.bfloat16)
     return tl.load(q_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
 
@@ -286,7 +289,7 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
 
 @triton.jit
 def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.constexpr, D: tl.constexpr,
-           QP: tl.constexpr, SB: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
+           QP: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
     """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for the HG heads of (sequence, KV head) bh,
     SB splits per step merged with a running max; splits with l_s = 0 (empty) are skipped unread.
     The partials were written by other programs: loaded past L1 (.cg)."""
@@ -312,14 +315,18 @@ def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.
         o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
         m_run = m_new
     o = o / tl.where(rmask, l_sum, 1.0)[:, None]
-    rvt = tl.load(rv_ptr + h * D * D + c[None, :] * D + c[:, None])
-    if F32:
-        y = tl.dot(o, rvt)
-    else:
-        y = tl.dot(o, rvt, input_precision="tf32")
-    if HAS_MEAN:
-        y += tl.load(mean_ptr + h * D + c)[None, :]
-    tl.store(out_ptr + (bh * HG + r)[:, None] * D + c[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    # R_V^T by blocks of BLOCK_E output columns (a small shared-memory operand per product).
+    for e0 in tl.static_range(0, D, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
+        if F32:
+            y = tl.dot(o, rvt)
+        else:
+            y = tl.dot(o, rvt, input_precision="tf32")
+        if HAS_MEAN:
+            y += tl.load(mean_ptr + h * D + e)[None, :]
+        tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None])
 
 
 @triton.jit
@@ -328,7 +335,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
                   scale_log2, log2_scale, T, n_int2_splits, min_chunk, NS,
                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, KEY_T: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
                   USE_ASM: tl.constexpr, ROTATE: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
     """Program (sid, bh): split sid of (sequence, KV head) bh; the last of its NS programs to finish merges."""
     sid = tl.program_id(0)
@@ -361,7 +368,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
     if done == NS - 1:
-        _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG, D, QP, SB, HAS_MEAN, F32)
+        _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG, D, QP, SB, BLOCK_E, HAS_MEAN, F32)
         tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
 
 
@@ -525,6 +532,6 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         cache.lengths, po, pm, pl, _counters(q.device, bsz * kv_heads), rv, mean, out,
         scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
         HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
-        QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, KEY_T=key_t, USE_ASM=use_asm, ROTATE=rotate,
+        QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 32), KEY_T=key_t, USE_ASM=use_asm, ROTATE=rotate,
         HAS_MEAN=value_mean is not None, F32=not q.is_cuda, num_warps=num_warps, num_stages=num_stages)
     return out
