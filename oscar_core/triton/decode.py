@@ -1,12 +1,15 @@
-"""Triton decode attention over an Int2KVCache: flash-decoding split over the context, then a reduce.
+"""Triton decode attention over an Int2KVCache: flash-decoding split over the context, merged in-kernel.
 
 Program (s, b·H_kv + h) of the split kernel attends the HG = H/H_kv query heads of KV head h
 (stacked as the rows of the tensor-core products) over one slice of sequence b: splits s < NW take
-BLOCK_W tokens each of the BF16 sink and recent windows (one tile per program), splits s ≥ NW take
-rows [(s−NW)·chunk, (s−NW+1)·chunk) of the INT2 store. Each writes the unnormalized output, the
-running max m and the sum l of its slice; the reduce kernel merges the slices SB at a time with a
-running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, and returns to original space,
-o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
+BLOCK_W tokens each of the BF16 sink and recent windows (one tile per program), splits s ≥ NW share
+the INT2 rows of sequence b in chunks of whole tiles sized by b's own length. Each writes the
+unnormalized output, the running max m and the sum l of its slice and bumps a counter of (b, h); the
+program that completes it merges the slices SB at a time with a running max,
+o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, returns to original space, o·R_V^T + μ_V, and resets
+the counter. The query is rotated, q̃ = q·R_K (bf16), inside each program (rotate: one launch in
+all) or by _rotate_kernel first (at many (sequence, KV head) pairs, where the programs would re-read
+R_K more than they read of the cache). Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
 
 INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
 values u_i = m_i·code_i, m = (1, 4, 16, 16) (see _unpack: no integer-to-float conversion). With
@@ -14,6 +17,9 @@ x̂ = step·(code + z/4) per token and group g:
   keys:   q̃·k̂ = Σ_g step_g · (Σ_i Σ_{j∈g} (q̃_{4j+i}/m_i)·u_i[j] + z_g/4 · Σ_{c∈g} q̃_c)
   values: Σ_n p_n v̂_n[4j+i] = (Σ_n a_n u_i[n, j])/m_i + Σ_n a_n z_n/4,  a_n = p_n·step_g[n]
 so the products run on raw codes and the scale and zero apply to the small score / output tiles.
+Both value terms use the same bf16 weights a_n (the product's operand): with a float32 a_n in the
+zero term, the two parts of a group's common offset no longer cancel, an error of up to 8e-2 of a
+small (diffuse, centred) output.
 The unpack leaves 128 in every code (u = 128 + m·code, _unpack_raw) for the keys and subtracts it in
 bf16 for the values: the score accumulator starts each tile at −128·Σ_c (row's query operands), which
 the products add back exactly (per tile, so no offset builds up over a chunk).
@@ -428,7 +434,7 @@ def default_config(batch: int, kv_heads: int, head_dim: int = 128) -> dict:
     256, whose value accumulators would not fit one warp's registers): no cross-warp reductions or barriers
     per tile, enough of them (waves 48) to fill every multiprocessor, at least 512 rows each. Up to 16 pairs
     (batch 1-2), four-warp programs that also rotate the query (rotate), so a decode is one launch.
-    block_n and num_stages shrink with head_dim so the staged tiles fit the 227 KiB of shared memory."""
+    Each setting was compiled offline for sm_90 (triton 3.6) to fit shared memory without spilling in the loop."""
     pairs = batch * kv_heads
     if pairs > 16:
         cfg = dict(block_n=64, num_warps=1, num_stages=4 if pairs >= 128 else 3, waves=48, key_t=pairs >= 128,
@@ -436,10 +442,9 @@ def default_config(batch: int, kv_heads: int, head_dim: int = 128) -> dict:
         if head_dim > 128:
             cfg.update(num_warps=2, num_stages=2)
         return cfg
-    cfg = dict(block_n=256, num_warps=4, num_stages=2, waves=2, key_t=True, min_chunk=0, rotate=True)
-    if head_dim > 128:
-        cfg.update(block_n=128)
-    return cfg
+    # block_n 128 outside head_dim 128: at 256 the staged tiles, at 64 the registers (the loop spills at 256).
+    return dict(block_n=256 if head_dim == 128 else 128, num_warps=4, num_stages=2, waves=2, key_t=True,
+                min_chunk=0, rotate=True)
 
 
 _COUNTERS: dict = {}
