@@ -126,8 +126,10 @@ def _query(q_ptr, rk_ptr, rows, cols, mask, h, D: tl.constexpr, ROTATE: tl.const
                 y = tl.dot(q, rot, y)
             else:
                 y = tl.dot(q, rot, y, input_precision="tf32")
-        return tl.where(mask, y, 0.0).to(tl.bfloat16)
-    return tl.load(q_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
+        q_rot = tl.where(mask, y, 0.0).to(tl.bfloat16)
+    else:
+        q_rot = tl.load(q_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.bfloat16)
+    return q_rot
 
 
 @triton.jit
