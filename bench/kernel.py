@@ -79,7 +79,7 @@ def kernel_times(fn, calls: int = 20) -> dict:
 
 
 def stage(name: str) -> str:
-    for key, label in (("_rotate", "rotate"), ("_split", "split")):
+    for key, label in (("_rotate", "rotate"), ("_split", "split"), ("_reduce", "reduce")):
         if key in name:
             return label
     return "other"
@@ -222,7 +222,7 @@ def bench_shapes(gen) -> list:
             run = lambda: decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation,  # noqa: E731
                                                   layer.value_mean, scaling, max_length=longest)
             row.update(err=errs[0], err_nomean=errs[1], gint2=graph_bench(run),
-                       launch="1 launch" if cfg["rotate"] else "2 launches",
+                       launch="3 launches",
                        cfg=f"n{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}")
             if len(set(lengths)) == 1:
                 q4 = q[:, :, None]
@@ -270,13 +270,13 @@ def render(rows, sweep, wr, bandwidth, shapes=()) -> str:
     lines += ["", "## Where the time goes (default settings)", "",
               "Device time per call of each launch (torch.profiler, eager calls), against the graph replay time; "
               "'gaps' = graph time − the kernels' sum (launch latency between the kernels of one decode).", "",
-              "| context | batch | rotate ms | split + merge ms | other ms | kernels ms | graph ms | gaps ms |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| context | batch | rotate ms | split ms | reduce ms | other ms | kernels ms | graph ms | gaps ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["parts"]
         total = sum(p.values())
         lines.append(f"| {r['context']} | {r['batch']} | {p.get('rotate', 0):.4f} | {p.get('split', 0):.4f} | "
-                     f"{p.get('other', 0):.4f} | {total:.4f} | {r['gint2']:.4f} | "
+                     f"{p.get('reduce', 0):.4f} | {p.get('other', 0):.4f} | {total:.4f} | {r['gint2']:.4f} | "
                      f"{r['gint2'] - total:.4f} |")
     lines += ["", "## Targets (default settings)", ""]
     targets = ((100_000, 32, "graph", 6.0), (100_000, 8, "graph", 5.0), (32768, 32, "graph", 5.0),
@@ -329,6 +329,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="one 32K x 32 decode call, for ncu")
     ap.add_argument("--baseline", help="a decode.py of another version, timed beside the default in the sweep")
     ap.add_argument("--no-shapes", action="store_true", help="skip the shape-coverage table")
+    ap.add_argument("--quick", action="store_true", help="32K and 100K only, no write kernel")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.profile:
@@ -357,9 +358,10 @@ def main():
         spec.loader.exec_module(base)
         for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32)):
             extra[key] = [("baseline", {}, base.decode_attention)]
-        extra[100_000, 1].append(("rotation launch + split (2 launches)", dict(rotate=False)))
+    for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 1), (8192, 1)):
+        extra.setdefault(key, []).append(("fused (1 launch)", dict(fused=True)))
     rows, sweep = [], []
-    for context in CONTEXTS:
+    for context in CONTEXTS[1:] if args.quick else CONTEXTS:
         for batch in BATCHES:
             got = bench_config(context, batch, layer, gen, bandwidth, default + extra.get((context, batch), []))
             rows += got[:1]
@@ -381,6 +383,8 @@ def main():
         }
         for batch, variants in plans.items():
             sweep += bench_config(100_000, batch, layer, gen, bandwidth, variants)
+    if args.quick:
+        return
     wr = bench_write(gen, bandwidth)
     print(f"write: {wr}", flush=True)
     text = render(rows, sweep, wr, bandwidth, shapes)

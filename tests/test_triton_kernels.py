@@ -130,15 +130,15 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("d,heads,kv_heads,key_group,value_group,lengths", SHAPES)
-def test_decode_kernel_every_shape(d, heads, kv_heads, key_group, value_group, lengths, rotate):
+def test_decode_kernel_every_shape(d, heads, kv_heads, key_group, value_group, lengths, fused):
     gen = torch.Generator().manual_seed(d * heads + kv_heads)
     cache, layer, q = build(gen, lengths, heads, kv_heads, d, key_group, value_group, sink=16, recent=32)
     ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, None, d ** -0.5)
     out = decode.decode_attention(q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE),
-                                  layer.value_rotation.to(DEVICE), None, d ** -0.5, block_n=64, rotate=rotate,
-                                  key_t=rotate)
+                                  layer.value_rotation.to(DEVICE), None, d ** -0.5, block_n=64, fused=fused,
+                                  key_t=fused)
     err = relative_errors(out, ref)
     assert err.max() < 1e-2, err
 
@@ -168,8 +168,8 @@ def test_decode_kernel_result_does_not_depend_on_max_length():
                                              layer.value_mean, 0.125)
     args = (q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE), layer.value_rotation.to(DEVICE),
             layer.value_mean.to(DEVICE), 0.125)
-    for max_length in (None, 60, 500):
-        out = decode.decode_attention(*args, max_length=max_length, block_n=64)
+    for max_length, fused in ((None, True), (60, True), (500, True), (60, False)):
+        out = decode.decode_attention(*args, max_length=max_length, block_n=64, fused=fused)
         assert relative_errors(out, ref).max() < 1e-2
     assert (decode._counters(torch.device(DEVICE), 2) == 0).all()
 

@@ -344,8 +344,10 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
-                  USE_ASM: tl.constexpr, ROTATE: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
-    """Program (sid, bh): split sid of (sequence, KV head) bh; the last of its NS programs to finish merges."""
+                  USE_ASM: tl.constexpr, ROTATE: tl.constexpr, MERGE: tl.constexpr, HAS_MEAN: tl.constexpr,
+                  F32: tl.constexpr):
+    """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
+    finish merges (else _reduce_kernel does, in a launch of its own)."""
     sid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -373,11 +375,53 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
             tl.store(pl_ptr + slot * HG + r, tl.zeros([HGP], tl.float32), mask=r < HG)
     # Every thread's partial is stored before the counter moves (barrier, then a release at GPU scope);
     # the program that brings it to NS merges, then resets it for the next call.
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
-    if done == NS - 1:
-        _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG, D, QP, SB, BLOCK_E, HAS_MEAN, F32)
-        tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
+    if MERGE:
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
+        if done == NS - 1:
+            _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG, D, QP, SB, BLOCK_E, HAS_MEAN,
+                   F32)
+            tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
+
+
+@triton.jit
+def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
+                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
+                   SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for columns [e0, e0 + BLOCK_E);
+    SB splits per step, merged with a running max; empty splits (l_s = 0) are skipped unread. The merge of
+    _merge with the work spread over column blocks: the default (v6), measured faster (kernel_notes.md v7)."""
+    bh = tl.program_id(0)
+    e0 = tl.program_id(1) * BLOCK_E
+    h = bh % HKV
+    r = tl.arange(0, HGP)
+    rmask = r < HG
+    c = tl.arange(0, D)
+    base = bh * NS * HG
+    m_run = tl.full([HGP], -1e30, tl.float32)
+    l_sum = tl.zeros([HGP], tl.float32)
+    o = tl.zeros([HGP, D], tl.float32)
+    for s0 in range(0, NS, SB):
+        s = s0 + tl.arange(0, SB)
+        mask = (s < NS)[:, None] & rmask[None, :]
+        idx = base + s[:, None] * HG + r[None, :]
+        ms = tl.load(pm_ptr + idx, mask=mask, other=-1e30)
+        ls = tl.load(pl_ptr + idx, mask=mask, other=0.0)
+        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=(mask & (ls > 0))[:, :, None],
+                       other=0.0)
+        m_new = tl.maximum(m_run, tl.max(ms, axis=0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(ms - m_new[None, :])
+        l_sum = l_sum * alpha + tl.sum(w * ls, axis=0)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
+        m_run = m_new
+    o = o / tl.where(rmask, l_sum, 1.0)[:, None]
+    e = e0 + tl.arange(0, BLOCK_E)
+    rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
+    y = tl.sum(o[:, :, None] * rvt[None, :, :], axis=1)
+    if HAS_MEAN:
+        y += tl.load(mean_ptr + h * D + e)[None, :]
+    tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
@@ -435,18 +479,18 @@ def default_config(batch: int, kv_heads: int, head_dim: int = 128) -> dict:
     context: v5-v7 in bench/results/kernel_notes.md). From 17 pairs up, one-warp programs (two at head_dim
     256, whose value accumulators would not fit one warp's registers): no cross-warp reductions or barriers
     per tile, enough of them (waves 48) to fill every multiprocessor, at least 512 rows each. Up to 16 pairs
-    (batch 1-2), four-warp programs that also rotate the query (rotate), so a decode is one launch.
-    Each setting was compiled offline for sm_90 (triton 3.6) to fit shared memory without spilling in the loop."""
+    (batch 1-2), four-warp programs. Each setting was compiled offline for sm_90 (triton 3.6) to fit shared
+    memory without spilling in the loop."""
     pairs = batch * kv_heads
     if pairs > 16:
         cfg = dict(block_n=64, num_warps=1, num_stages=4 if pairs >= 128 else 3, waves=48, key_t=pairs >= 128,
-                   min_chunk=512, rotate=False)
+                   min_chunk=512)
         if head_dim > 128:
             cfg.update(num_warps=2, num_stages=2)
         return cfg
     # block_n 128 outside head_dim 128: at 256 the staged tiles, at 64 the registers (the loop spills at 256).
     return dict(block_n=256 if head_dim == 128 else 128, num_warps=4, num_stages=2, waves=2, key_t=True,
-                min_chunk=0, rotate=True)
+                min_chunk=0)
 
 
 _COUNTERS: dict = {}
@@ -484,14 +528,15 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      max_length: int | None = None, block_n: int | None = None, block_w: int = 64,
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
-                     key_t: bool | None = None, rotate: bool | None = None) -> torch.Tensor:
+                     key_t: bool | None = None, fused: bool = False) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
-    One launch (rotate: the query rotated inside the split kernel, the default up to 16 (sequence, KV head)
-    pairs), or two (a rotation launch first). No device-to-host reads: max_length is only a hint for how
-    many programs share the INT2 rows (the largest length expected, e.g. a static bound for CUDA-graph
-    capture; None: the store's capacity); each sequence's rows are divided among them by its own length,
-    so results never depend on it and the launch grid never depends on the data.
+    Three launches (query rotation, split kernel, reduce), or with fused one: the query rotated inside
+    the split kernel and the splits merged by the last program of each (sequence, KV head); correct, but
+    measured slower (kernel_notes.md v7), so not the default. No device-to-host reads: max_length is only
+    a hint for how many programs share the INT2 rows (the largest length expected, e.g. a static bound for
+    CUDA-graph capture; None: the store's capacity); each sequence's rows are divided among them by its
+    own length, so results never depend on it and the launch grid never depends on the data.
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
     Launch settings left as None come from default_config (key_t: the score tile's orientation).
     Every sequence needs at least one token. The cache tensors must be contiguous.
@@ -512,7 +557,6 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     num_stages = num_stages or cfg["num_stages"]
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
-    rotate = cfg["rotate"] if rotate is None else rotate
     # At least one INT2 program per pair, so a sequence longer than max_length is still read whole.
     _, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
     nw = -(-(cache.sink_tokens + cache.recent_tokens) // block_w)
@@ -520,10 +564,10 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
 
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
     qp = max(16, hgp)
-    # Splits merged per step: the [SB, QP, d] partial tile at about 64 float32 registers per thread.
+    # Splits merged per step in the fused merge: the [SB, QP, d] partial tile at about 64 registers a thread.
     sb = max(1, min(32, _pow2(ns), 2048 * num_warps // (qp * d)))
     sb = 1 << (sb.bit_length() - 1)
-    q_in = q.contiguous() if rotate else rotate_query_bf16(q, key_rotation)
+    q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation)
     split = bsz * kv_heads * ns * hg
     work = torch.empty(split * (d + 2), dtype=torch.float32, device=q.device)
     po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):]
@@ -532,13 +576,20 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     rk = key_rotation.float().contiguous()
     rv = value_rotation.float().contiguous()
     mean = value_mean.float().contiguous() if value_mean is not None else rv
+    counters = _counters(q.device, bsz * kv_heads) if fused else pm
     scale_log2 = scaling * LOG2E
     _split_kernel[(ns, bsz * kv_heads)](
         q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
         cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
-        cache.lengths, po, pm, pl, _counters(q.device, bsz * kv_heads), rv, mean, out,
+        cache.lengths, po, pm, pl, counters, rv, mean, out,
         scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
         HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
-        QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 32), KEY_T=key_t, USE_ASM=use_asm, ROTATE=rotate,
-        HAS_MEAN=value_mean is not None, F32=not q.is_cuda, num_warps=num_warps, num_stages=num_stages)
+        QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16), KEY_T=key_t, USE_ASM=use_asm,
+        ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
+        num_warps=num_warps, num_stages=num_stages)
+    if not fused:
+        block_e = min(d, 16)
+        _reduce_kernel[(bsz * kv_heads, d // block_e)](
+            po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(32, max(8, _pow2(ns))),
+            BLOCK_E=block_e, HAS_MEAN=value_mean is not None, num_warps=4)
     return out
