@@ -1,15 +1,16 @@
-"""Triton decode attention over an Int2KVCache: flash-decoding split over the context, merged in-kernel.
+"""Triton decode attention over an Int2KVCache: flash-decoding split over the context, then a merge.
 
 Program (s, b·H_kv + h) of the split kernel attends the HG = H/H_kv query heads of KV head h
 (stacked as the rows of the tensor-core products) over one slice of sequence b: splits s < NW take
 BLOCK_W tokens each of the BF16 sink and recent windows (one tile per program), splits s ≥ NW share
-the INT2 rows of sequence b in chunks of whole tiles sized by b's own length. Each writes the
-unnormalized output, the running max m and the sum l of its slice and bumps a counter of (b, h); the
-program that completes it merges the slices SB at a time with a running max,
-o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, returns to original space, o·R_V^T + μ_V, and resets
-the counter. The query is rotated, q̃ = q·R_K (bf16), inside each program (rotate: one launch in
-all) or by _rotate_kernel first (at many (sequence, KV head) pairs, where the programs would re-read
-R_K more than they read of the cache). Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
+the INT2 rows of sequence b in chunks of whole tiles sized by b's own length (so the grid never
+depends on the data). Each writes the unnormalized output, the running max m and the sum l of its
+slice; the merge combines the slices with a running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s,
+and returns to original space, o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
+Default: three launches (_rotate_kernel for q̃ = q·R_K in bf16, _split_kernel, _reduce_kernel). fused:
+one launch, the query rotated inside every program and the merge done by the last program of each
+(sequence, KV head) to finish, counted by an atomic counter it resets (correct, measured slower:
+bench/results/kernel_notes.md v7).
 
 INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
 values u_i = m_i·code_i, m = (1, 4, 16, 16) (see _unpack: no integer-to-float conversion). With
