@@ -66,7 +66,7 @@ def test_write_kernel_into_cache_view():
     assert (cache.key_codes[0, :, :3] == 0).all() and (cache.key_codes[0, :, 23:] == 0).all()
 
 
-def build(gen, lengths, heads, kv_heads, d, key_group, value_group):
+def build(gen, lengths, heads, kv_heads, d, key_group, value_group, sink=64, recent=256):
     """A prefilled cache of data whose per-channel offset the bundle's means capture."""
     bsz, longest = len(lengths), max(lengths)
     mk, mv = torch.randn(kv_heads, d, generator=gen), torch.randn(kv_heads, d, generator=gen)
@@ -74,7 +74,7 @@ def build(gen, lengths, heads, kv_heads, d, key_group, value_group):
                                   torch.full((kv_heads,), 0.96), torch.full((kv_heads,), 0.92), mk, mv)
     keys = (torch.randn(bsz, longest, kv_heads, d, generator=gen) + mk).bfloat16()
     values = (torch.randn(bsz, longest, kv_heads, d, generator=gen) + mv).bfloat16()
-    cache = kvstore.empty_cache(bsz, kv_heads, d, longest + 8, key_group, value_group)
+    cache = kvstore.empty_cache(bsz, kv_heads, d, longest + 8, key_group, value_group, sink, recent)
     kvstore.prefill(cache, keys, values, torch.tensor(lengths), layer)
     q = torch.randn(bsz, heads, d, generator=gen)
     return cache, layer, q
@@ -112,12 +112,74 @@ def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_gr
     assert err.max() < 1e-2, err
 
 
+def relative_errors(out, ref):
+    return (out.cpu().float() - ref).norm(dim=-1) / ref.norm(dim=-1)
+
+
+# Every shape class a supported model has, small: head_dim 64/128/256, query heads per KV head 1, 4, 5, 7, 8
+# (and 2), groups of 64 and 128, ragged batches (one token, below sink + recent, long beside short).
+# Windows of 16 + 32 tokens so that short sequences reach the INT2 rows. No value mean: the output is then
+# a small average of centred values, the hardest case for a relative error (bound 1e-2, see kernel.md).
+SHAPES = [
+    (64, 8, 2, 64, 64, [1, 40, 600, 7]),
+    (128, 5, 1, 64, 128, [300, 1]),
+    (128, 7, 1, 128, 128, [333, 45]),
+    (128, 2, 2, 128, 64, [200, 3]),
+    (256, 8, 1, 64, 64, [260, 20]),
+    (256, 4, 2, 128, 128, [150, 49]),
+]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("d,heads,kv_heads,key_group,value_group,lengths", SHAPES)
+def test_decode_kernel_every_shape(d, heads, kv_heads, key_group, value_group, lengths, fused):
+    gen = torch.Generator().manual_seed(d * heads + kv_heads)
+    cache, layer, q = build(gen, lengths, heads, kv_heads, d, key_group, value_group, sink=16, recent=32)
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, None, d ** -0.5)
+    out = decode.decode_attention(q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE),
+                                  layer.value_rotation.to(DEVICE), None, d ** -0.5, block_n=64, fused=fused,
+                                  key_t=fused)
+    err = relative_errors(out, ref)
+    assert err.max() < 1e-2, err
+
+
+def test_decode_kernel_unsupported_shapes_raise_before_launch():
+    gen = torch.Generator().manual_seed(3)
+    cache, layer, q = build(gen, [40], 4, 1, 64, 64, 64, sink=16, recent=32)
+    args = (layer.key_rotation, layer.value_rotation, None, 0.125)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode.check_shape(4, 1, 192, 64, 64)
+    with pytest.raises(ValueError, match="group size"):
+        decode.check_shape(4, 1, 128, 32, 64)
+    with pytest.raises(ValueError, match="head_dim 64, 128 or 256, not 32"):
+        decode.decode_attention(q[:, :, :32], cache, *args)
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode.check_shape(6, 4, 128, 64, 64)
+    with pytest.raises(ValueError, match="up to 16"):
+        decode.check_shape(68, 2, 128, 64, 64)
+
+
+def test_decode_kernel_result_does_not_depend_on_max_length():
+    """max_length only sizes the grid: a wrong hint (shorter than the data, or the capacity) reads every
+    token; the merge counters are left at zero for the next call."""
+    gen = torch.Generator().manual_seed(4)
+    cache, layer, q = build(gen, [500, 90], 4, 1, 64, 64, 64, sink=16, recent=32)
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
+                                             layer.value_mean, 0.125)
+    args = (q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE), layer.value_rotation.to(DEVICE),
+            layer.value_mean.to(DEVICE), 0.125)
+    for max_length, fused in ((None, True), (60, True), (500, True), (60, False)):
+        out = decode.decode_attention(*args, max_length=max_length, block_n=64, fused=fused)
+        assert relative_errors(out, ref).max() < 1e-2
+    assert (decode._counters(torch.device(DEVICE), 2) == 0).all()
+
+
 def test_decode_kernel_default_settings_for_many_sequences():
     """17+ (sequence, KV head) pairs take default_config's one-warp programs."""
     lengths = [700, 450, 321, 330, 600, 64, 500, 360, 420]
     gen = torch.Generator().manual_seed(9)
     cache, layer, q = build(gen, lengths, 8, 2, 64, 64, 64)
-    assert decode.default_config(len(lengths), 2, 380)["num_warps"] == 1
+    assert decode.default_config(len(lengths), 2, 64)["num_warps"] == 1
     ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
                                              layer.value_mean, 0.125)
     out = decode.decode_attention(q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE),

@@ -1,12 +1,16 @@
-"""Triton decode attention over an Int2KVCache: flash-decoding split over the context, then a reduce.
+"""Triton decode attention over an Int2KVCache: flash-decoding split over the context, then a merge.
 
 Program (s, b·H_kv + h) of the split kernel attends the HG = H/H_kv query heads of KV head h
 (stacked as the rows of the tensor-core products) over one slice of sequence b: splits s < NW take
-BLOCK_W tokens each of the BF16 sink and recent windows (one tile per program), splits s ≥ NW take
-rows [(s−NW)·chunk, (s−NW+1)·chunk) of the INT2 store. Each writes the unnormalized output, the
-running max m and the sum l of its slice; the reduce kernel merges the slices SB at a time with a
-running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, and returns to original space,
-o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
+BLOCK_W tokens each of the BF16 sink and recent windows (one tile per program), splits s ≥ NW share
+the INT2 rows of sequence b in chunks of whole tiles sized by b's own length (so the grid never
+depends on the data). Each writes the unnormalized output, the running max m and the sum l of its
+slice; the merge combines the slices with a running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s,
+and returns to original space, o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
+Default: three launches (_rotate_kernel for q̃ = q·R_K in bf16, _split_kernel, _reduce_kernel). fused:
+one launch, the query rotated inside every program and the merge done by the last program of each
+(sequence, KV head) to finish, counted by an atomic counter it resets (correct, measured slower:
+bench/results/kernel_notes.md v7).
 
 INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
 values u_i = m_i·code_i, m = (1, 4, 16, 16) (see _unpack: no integer-to-float conversion). With
@@ -14,6 +18,9 @@ x̂ = step·(code + z/4) per token and group g:
   keys:   q̃·k̂ = Σ_g step_g · (Σ_i Σ_{j∈g} (q̃_{4j+i}/m_i)·u_i[j] + z_g/4 · Σ_{c∈g} q̃_c)
   values: Σ_n p_n v̂_n[4j+i] = (Σ_n a_n u_i[n, j])/m_i + Σ_n a_n z_n/4,  a_n = p_n·step_g[n]
 so the products run on raw codes and the scale and zero apply to the small score / output tiles.
+Both value terms use the same bf16 weights a_n (the product's operand): with a float32 a_n in the
+zero term, the two parts of a group's common offset no longer cancel, an error of up to 8e-2 of a
+small (diffuse, centred) output.
 The unpack leaves 128 in every code (u = 128 + m·code, _unpack_raw) for the keys and subtracts it in
 bf16 for the values: the score accumulator starts each tile at −128·Σ_c (row's query operands), which
 the products add back exactly (per tile, so no offset builds up over a chunk).
@@ -106,9 +113,30 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, length, q_row0,
+def _query(q_ptr, rk_ptr, rows, cols, mask, h, D: tl.constexpr, ROTATE: tl.constexpr, F32: tl.constexpr):
+    """q̃[rows, cols] in bf16, 0 where not mask: loaded (q_ptr holds q̃, _rotate_kernel's output) or, with
+    ROTATE, computed here from q_ptr = q as q[rows]·R_K[h][:, cols] (tf32 products, float32 sums), 16 rows
+    of R_K at a time so the shared-memory operand stays small."""
+    if ROTATE:
+        y = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
+        for c0 in tl.static_range(0, D, 16):
+            c = c0 + tl.arange(0, 16)
+            q = tl.load(q_ptr + rows[:, None] * D + c[None, :]).to(tl.float32)
+            rot = tl.load(rk_ptr + h * D * D + c[:, None] * D + cols[None, :])
+            if F32:
+                y = tl.dot(q, rot, y)
+            else:
+                y = tl.dot(q, rot, y, input_precision="tf32")
+        q_rot = tl.where(mask, y, 0.0).to(tl.bfloat16)
+    else:
+        q_rot = tl.load(q_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.bfloat16)
+    return q_rot
+
+
+@triton.jit
+def _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, h, length, q_row0,
                  scale_log2, slot, wid, HG: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
-                 QP: tl.constexpr, BLOCK_W: tl.constexpr, F32: tl.constexpr):
+                 QP: tl.constexpr, BLOCK_W: tl.constexpr, ROTATE: tl.constexpr, F32: tl.constexpr):
     """Attention over window tokens [wid·BLOCK_W, (wid+1)·BLOCK_W) of the BF16 sink + recent windows."""
     r = tl.arange(0, QP)
     c = tl.arange(0, D)
@@ -116,7 +144,7 @@ def _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, 
     n_win = n_sink + tl.minimum(tl.maximum(length - S, 0), W)
     rows = slot * HG + r
     if wid * BLOCK_W < n_win:
-        q = tl.load(q_ptr + (q_row0 + r)[:, None] * D + c[None, :], mask=(r < HG)[:, None], other=0.0)
+        q = _query(q_ptr, rk_ptr, q_row0 + tl.where(r < HG, r, 0), c, (r < HG)[:, None], h, D, ROTATE, F32)
         sink0 = bh.to(tl.int64) * S * D
         ring0 = bh.to(tl.int64) * W * D
         n = wid * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -137,16 +165,17 @@ def _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, 
         tl.store(pm_ptr + rows, m, mask=r < HG)
         tl.store(pl_ptr + rows, l, mask=r < HG)
     else:
-        tl.store(po_ptr + rows[:, None] * D + c[None, :], tl.zeros([QP, D], tl.float32), mask=(r < HG)[:, None])
+        # An empty slice: l = 0 tells the merge to skip its (unwritten) output.
         tl.store(pm_ptr + rows, tl.full([QP], -1e30, tl.float32), mask=r < HG)
         tl.store(pl_ptr + rows, tl.zeros([QP], tl.float32), mask=r < HG)
 
 
 @triton.jit
-def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
-               bh, start, end, q_row0, log2_scale, T, slot,
+def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
+               bh, h, start, end, q_row0, log2_scale, T, slot,
                HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HGP: tl.constexpr,
-               BLOCK_N: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr, F32: tl.constexpr):
+               BLOCK_N: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr, ROTATE: tl.constexpr,
+               F32: tl.constexpr):
     """Attention over INT2 rows [start, end) of one sequence and KV head. KEY_T computes the score tile
     transposed (tokens as rows); both orders give the same function."""
     NGK: tl.constexpr = D // GK
@@ -159,11 +188,11 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
     # Query rows (g, r): q̃[r, 4j+i]/m_i where channel 4j+i lies in key group g, else 0.
     mk = tl.arange(0, MK)
     qmask = ((mk % HGP) < HG)[:, None] & ((j[None, :] // (GK // 4)) == (mk // HGP)[:, None])
-    qoff = (q_row0 + mk % HGP)[:, None] * D + 4 * j[None, :]
-    q0 = tl.load(q_ptr + qoff, mask=qmask, other=0.0)
-    q1 = (tl.load(q_ptr + qoff + 1, mask=qmask, other=0.0).to(tl.float32) * 0.25).to(tl.bfloat16)
-    q2 = (tl.load(q_ptr + qoff + 2, mask=qmask, other=0.0).to(tl.float32) * 0.0625).to(tl.bfloat16)
-    q3 = (tl.load(q_ptr + qoff + 3, mask=qmask, other=0.0).to(tl.float32) * 0.0625).to(tl.bfloat16)
+    qrows = q_row0 + tl.where(mk % HGP < HG, mk % HGP, 0)
+    q0 = _query(q_ptr, rk_ptr, qrows, 4 * j, qmask, h, D, ROTATE, F32)
+    q1 = (_query(q_ptr, rk_ptr, qrows, 4 * j + 1, qmask, h, D, ROTATE, F32).to(tl.float32) * 0.25).to(tl.bfloat16)
+    q2 = (_query(q_ptr, rk_ptr, qrows, 4 * j + 2, qmask, h, D, ROTATE, F32).to(tl.float32) * 0.0625).to(tl.bfloat16)
+    q3 = (_query(q_ptr, rk_ptr, qrows, 4 * j + 3, qmask, h, D, ROTATE, F32).to(tl.float32) * 0.0625).to(tl.bfloat16)
     f0, f1, f2, f3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
     q_sum = tl.reshape(tl.sum(f0 + 4.0 * f1 + 16.0 * (f2 + f3), axis=1), [NGK, HGP, 1])
     # The key unpack leaves 128 in every code (u = 128 + m·code); the score accumulator starts at
@@ -233,17 +262,15 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
             vsc = tl.load(vsc_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
             vz = tl.load(vz_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
             vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
-            a3f = p[:, None, :] * vstep[:, :, None]
-            a3 = a3f.to(tl.bfloat16)
-            z_sum = z_sum * alpha[None, :] + tl.sum(a3f * (vz.to(tl.float32) * 0.25)[:, :, None], axis=0)
+            a3 = (p[:, None, :] * vstep[:, :, None]).to(tl.bfloat16)
+            z_sum = z_sum * alpha[None, :] + tl.sum(a3.to(tl.float32) * (vz.to(tl.float32) * 0.25)[:, :, None], axis=0)
             a = tl.trans(tl.reshape(a3, [BLOCK_N, MV]))
         else:
             vsc = tl.load(vsc_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
             vz = tl.load(vz_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
             vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
-            a3f = p[None, :, :] * vstep[:, None, :]
-            a3 = a3f.to(tl.bfloat16)
-            z_sum = z_sum * alpha[None, :] + tl.sum(a3f * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
+            a3 = (p[None, :, :] * vstep[:, None, :]).to(tl.bfloat16)
+            z_sum = z_sum * alpha[None, :] + tl.sum(a3.to(tl.float32) * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
             a = tl.reshape(a3, [MV, BLOCK_N])
         alpha_rows = tl.reshape(tl.broadcast_to(alpha[None, :], [NGV, HGP]), [MV])[:, None]
         acc0 = _dot(a, w0, acc0 * alpha_rows, F32)
@@ -270,12 +297,58 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
 
 
 @triton.jit
-def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr,
-                  len_ptr, po_ptr, pm_ptr, pl_ptr, scale_log2, log2_scale, T, chunk, NS,
+def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.constexpr, D: tl.constexpr,
+           QP: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
+    """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for the HG heads of (sequence, KV head) bh,
+    SB splits per step merged with a running max; splits with l_s = 0 (empty) are skipped unread.
+    The partials were written by other programs: loaded past L1 (.cg)."""
+    r = tl.arange(0, QP)
+    rmask = r < HG
+    c = tl.arange(0, D)
+    base = bh * NS * HG
+    m_run = tl.full([QP], -1e30, tl.float32)
+    l_sum = tl.zeros([QP], tl.float32)
+    o = tl.zeros([QP, D], tl.float32)
+    for s0 in range(0, NS, SB):
+        s = s0 + tl.arange(0, SB)
+        mask = (s < NS)[:, None] & rmask[None, :]
+        idx = base + s[:, None] * HG + r[None, :]
+        ms = tl.load(pm_ptr + idx, mask=mask, other=-1e30, cache_modifier=".cg")
+        ls = tl.load(pl_ptr + idx, mask=mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=(mask & (ls > 0))[:, :, None],
+                       other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(ms, axis=0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(ms - m_new[None, :])
+        l_sum = l_sum * alpha + tl.sum(w * ls, axis=0)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
+        m_run = m_new
+    o = o / tl.where(rmask, l_sum, 1.0)[:, None]
+    # R_V^T by blocks of BLOCK_E output columns (a small shared-memory operand per product).
+    for e0 in tl.static_range(0, D, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
+        if F32:
+            y = tl.dot(o, rvt)
+        else:
+            y = tl.dot(o, rvt, input_precision="tf32")
+        if HAS_MEAN:
+            y += tl.load(mean_ptr + h * D + e)[None, :]
+        tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None])
+
+
+@triton.jit
+def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr,
+                  len_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr,
+                  scale_log2, log2_scale, T, n_int2_splits, min_chunk, NS,
                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
+                  USE_ASM: tl.constexpr, ROTATE: tl.constexpr, MERGE: tl.constexpr, HAS_MEAN: tl.constexpr,
                   F32: tl.constexpr):
+    """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
+    finish merges (else _reduce_kernel does, in a launch of its own)."""
     sid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -284,14 +357,32 @@ def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr
     q_row0 = b * (HKV * HG) + h * HG
     slot = bh * NS + sid
     if sid < NW:
-        _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, length, q_row0,
-                     scale_log2, slot, sid, HG, D, S, W, QP, BLOCK_W, F32)
+        _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, h, length, q_row0,
+                     scale_log2, slot, sid, HG, D, S, W, QP, BLOCK_W, ROTATE, F32)
     else:
+        # This sequence's INT2 rows over the n_int2_splits programs: chunks of whole tiles, at least min_chunk.
         n_int2 = tl.maximum(length - S - W, 0)
+        chunk = tl.maximum(tl.cdiv(n_int2, n_int2_splits), min_chunk)
+        chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
         start = (sid - NW) * chunk
         end = tl.minimum(start + chunk, n_int2)
-        _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
-                   bh, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, KEY_T, USE_ASM, F32)
+        if start < end:
+            _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
+                       bh, h, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, KEY_T,
+                       USE_ASM, ROTATE, F32)
+        else:
+            r = tl.arange(0, HGP)
+            tl.store(pm_ptr + slot * HG + r, tl.full([HGP], -1e30, tl.float32), mask=r < HG)
+            tl.store(pl_ptr + slot * HG + r, tl.zeros([HGP], tl.float32), mask=r < HG)
+    # Every thread's partial is stored before the counter moves (barrier, then a release at GPU scope);
+    # the program that brings it to NS merges, then resets it for the next call.
+    if MERGE:
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
+        if done == NS - 1:
+            _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG, D, QP, SB, BLOCK_E, HAS_MEAN,
+                   F32)
+            tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
 
 
 @triton.jit
@@ -299,7 +390,8 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
                    HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
                    SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr):
     """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for columns [e0, e0 + BLOCK_E);
-    SB splits per step, merged with a running max."""
+    SB splits per step, merged with a running max; empty splits (l_s = 0) are skipped unread. The merge of
+    _merge with the work spread over column blocks: the default (v6), measured faster (kernel_notes.md v7)."""
     bh = tl.program_id(0)
     e0 = tl.program_id(1) * BLOCK_E
     h = bh % HKV
@@ -316,7 +408,8 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
         idx = base + s[:, None] * HG + r[None, :]
         ms = tl.load(pm_ptr + idx, mask=mask, other=-1e30)
         ls = tl.load(pl_ptr + idx, mask=mask, other=0.0)
-        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=mask[:, :, None], other=0.0)
+        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=(mask & (ls > 0))[:, :, None],
+                       other=0.0)
         m_new = tl.maximum(m_run, tl.max(ms, axis=0))
         alpha = tl.exp2(m_run - m_new)
         w = tl.exp2(ms - m_new[None, :])
@@ -382,17 +475,53 @@ def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms:
     return chunk, -(-max_int2 // chunk)
 
 
-def default_config(batch: int, kv_heads: int, max_int2: int) -> dict:
-    """Launch settings by the number of (sequence, KV head) pairs (tuned on an H100 at 100K context:
-    v5 in bench/results/kernel_notes.md). From 17 pairs up, one-warp programs: no cross-warp reductions
-    or barriers per tile, and enough of them (waves 48) to fill every multiprocessor, but at least 512 rows
-    each (short contexts would otherwise hand the reduce a hundred splits per sequence)."""
+def default_config(batch: int, kv_heads: int, head_dim: int = 128) -> dict:
+    """Launch settings by the number of (sequence, KV head) pairs and head_dim (tuned on an H100 at 100K
+    context: v5-v7 in bench/results/kernel_notes.md). From 17 pairs up, one-warp programs (two at head_dim
+    256, whose value accumulators would not fit one warp's registers): no cross-warp reductions or barriers
+    per tile, enough of them (waves 48) to fill every multiprocessor, at least 512 rows each. Up to 16 pairs
+    (batch 1-2), four-warp programs. Each setting was compiled offline for sm_90 (triton 3.6) to fit shared
+    memory without spilling in the loop."""
     pairs = batch * kv_heads
-    if pairs >= 128:
-        return dict(block_n=64, num_warps=1, num_stages=4, waves=48, key_t=True, min_chunk=512)
     if pairs > 16:
-        return dict(block_n=64, num_warps=1, num_stages=3, waves=48, key_t=False, min_chunk=512)
-    return dict(block_n=256, num_warps=4, num_stages=2, waves=2, key_t=True, min_chunk=0)
+        cfg = dict(block_n=64, num_warps=1, num_stages=4 if pairs >= 128 else 3, waves=48, key_t=pairs >= 128,
+                   min_chunk=512)
+        if head_dim > 128:
+            cfg.update(num_warps=2, num_stages=2)
+        return cfg
+    # block_n 128 outside head_dim 128: at 256 the staged tiles, at 64 the registers (the loop spills at 256).
+    return dict(block_n=256 if head_dim == 128 else 128, num_warps=4, num_stages=2, waves=2, key_t=True,
+                min_chunk=0)
+
+
+_COUNTERS: dict = {}
+_OLD_COUNTERS: list = []
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), reused by every call on the device: each call's
+    merging programs leave them at 0. A larger set replaces the old one, which is kept alive (a captured
+    CUDA graph may still point at it). Calls on one device must not run concurrently on several streams."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        if have is not None:
+            _OLD_COUNTERS.append(have)
+        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
+
+
+def check_shape(heads: int, kv_heads: int, head_dim: int, key_group_size: int, value_group_size: int) -> None:
+    """Raise ValueError unless decode_attention supports this attention shape."""
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"decode_attention supports head_dim 64, 128 or 256, not {head_dim}")
+    for name, g in (("key", key_group_size), ("value", value_group_size)):
+        if g not in (64, 128, 256) or g > head_dim:
+            raise ValueError(f"decode_attention needs a {name} group size of 64, 128 or 256 channels within "
+                             f"head_dim {head_dim}, not {g}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if heads // kv_heads > 16:
+        raise ValueError(f"decode_attention supports up to 16 query heads per KV head, not {heads // kv_heads}")
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
@@ -400,56 +529,68 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      max_length: int | None = None, block_n: int | None = None, block_w: int = 64,
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
-                     reduce_splits: int | None = None, key_t: bool | None = None) -> torch.Tensor:
+                     key_t: bool | None = None, fused: bool = False) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
-    max_length (the largest cache.lengths, if the caller knows it) saves a device-to-host read.
+    Three launches (query rotation, split kernel, reduce), or with fused one: the query rotated inside
+    the split kernel and the splits merged by the last program of each (sequence, KV head); correct, but
+    measured slower (kernel_notes.md v7), so not the default. No device-to-host reads: max_length is only
+    a hint for how many programs share the INT2 rows (the largest length expected, e.g. a static bound for
+    CUDA-graph capture; None: the store's capacity); each sequence's rows are divided among them by its
+    own length, so results never depend on it and the launch grid never depends on the data.
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
-    Launch settings left as None come from default_config (key_t: the score tile's orientation);
-    reduce_splits (splits the reduce merges per step) from the number of splits.
-    Every sequence needs at least one token. The cache tensors must be contiguous."""
+    Launch settings left as None come from default_config (key_t: the score tile's orientation).
+    Every sequence needs at least one token. The cache tensors must be contiguous.
+    Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
     gk, gv = cache.key_group_size, cache.value_group_size
-    if d % 64 or gk < 64 or gv < 64:
-        raise ValueError("decode_attention needs head_dim and group sizes that are multiples of 64")
+    check_shape(heads, kv_heads, d, gk, gv)
     if use_asm is None:
         use_asm = q.is_cuda
     if max_length is None:
-        max_length = int(cache.lengths.max())
+        max_length = cache.key_codes.shape[2] + cache.sink_tokens + cache.recent_tokens
     max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
-    cfg = default_config(bsz, kv_heads, max_int2)
+    cfg = default_config(bsz, kv_heads, d)
     block_n = block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
-    chunk, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
-    n_win = min(max_length, cache.sink_tokens + cache.recent_tokens)
-    nw = -(-n_win // block_w)
-    ns = nw + n_int2
+    # At least one INT2 program per pair, so a sequence longer than max_length is still read whole.
+    _, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
+    nw = -(-(cache.sink_tokens + cache.recent_tokens) // block_w)
+    ns = nw + max(n_int2, 1)
 
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
-    q_rot = rotate_query_bf16(q, key_rotation)
-    work = torch.empty(bsz * kv_heads * ns * hg * (d + 2), dtype=torch.float32, device=q.device)
+    qp = max(16, hgp)
+    # Splits merged per step in the fused merge: the [SB, QP, d] partial tile at about 64 registers a thread.
+    sb = max(1, min(32, _pow2(ns), 2048 * num_warps // (qp * d)))
+    sb = 1 << (sb.bit_length() - 1)
+    q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation)
     split = bsz * kv_heads * ns * hg
+    work = torch.empty(split * (d + 2), dtype=torch.float32, device=q.device)
     po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):]
-    scale_log2 = scaling * LOG2E
-    _split_kernel[(ns, bsz * kv_heads)](
-        q_rot, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
-        cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
-        cache.lengths, po, pm, pl, scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], chunk, ns,
-        HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
-        QP=max(16, hgp), NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, KEY_T=key_t, USE_ASM=use_asm, F32=not q.is_cuda,
-        num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty(bsz, heads, d, dtype=q.dtype, device=q.device)
+    rk = key_rotation.float().contiguous()
     rv = value_rotation.float().contiguous()
     mean = value_mean.float().contiguous() if value_mean is not None else rv
-    block_e = min(d, 16)
-    sb = reduce_splits or min(32, max(8, _pow2(ns)))
-    _reduce_kernel[(bsz * kv_heads, d // block_e)](
-        po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=sb,
-        BLOCK_E=block_e, HAS_MEAN=value_mean is not None, num_warps=4)
+    counters = _counters(q.device, bsz * kv_heads) if fused else pm
+    scale_log2 = scaling * LOG2E
+    _split_kernel[(ns, bsz * kv_heads)](
+        q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
+        cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
+        cache.lengths, po, pm, pl, counters, rv, mean, out,
+        scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
+        HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
+        QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16), KEY_T=key_t, USE_ASM=use_asm,
+        ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
+        num_warps=num_warps, num_stages=num_stages)
+    if not fused:
+        block_e = min(d, 16)
+        _reduce_kernel[(bsz * kv_heads, d // block_e)](
+            po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(32, max(8, _pow2(ns))),
+            BLOCK_E=block_e, HAS_MEAN=value_mean is not None, num_warps=4)
     return out
