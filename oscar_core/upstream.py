@@ -100,9 +100,8 @@ def load_rotation_file(path: Path) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights only load failed" in str(e).lower():
-            why = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                       "it holds objects other than tensors and plain data")
+        why = next((line.strip() for line in str(e).splitlines() if "global" in line.lower()), None)
+        if "weights only load failed" in str(e).lower() and why:  # a class or function to import and call
             raise OscarError(f"refused {path}: it needs code execution to load, not only tensors and plain data "
                              f"({why.rstrip('.')}); it was not loaded") from None
         raise OscarError(f"corrupt or truncated rotation file {path}: {str(e).splitlines()[0]}") from None
@@ -171,8 +170,8 @@ def validate_side(obj: dict, side: str, path: Path, model: ModelInfo, layers: li
     have, want = sorted(rotations), sorted(layers)
     if have != want:
         missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-        what = (f"lacks layer {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                if missing else f"has layer {extra[0]}, which the model has no attention layer for")
+        what = (f"has layer {extra[0]}, which the model has no attention layer for" if extra else
+                f"lacks layer {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         raise OscarError(f"{name}: {what}; the model's attention layers are {_ranges(want)}")
     return {"objective": objective, "grouping": "layer" if shapes == {2} else "head", "rotations": rotations,
             "eigenvalues": eigen}
