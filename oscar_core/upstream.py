@@ -217,7 +217,16 @@ def read_record(directory: Path) -> dict | None:
 def import_upstream(directory: str | Path, zoo_root: str | Path, model: ModelInfo, layers: list[int] | None = None,
                     key_clip: float | None = None, value_clip: float | None = None, group_size: int | None = None,
                     name: str | None = None, version: str | None = None) -> tuple[Path, Manifest, dict[str, SideFile]]:
-    """An upstream directory -> a bundle <zoo_root>/<name>/<version>/ that verify and eval read as any other.
+    """An upstream directory -> a bundle <zoo_root>/<name>/<version>/ that verify and eval read as any other."""
+    manifest, tensors, files = upstream_bundle(directory, model, layers, key_clip, value_clip, group_size, name, version)
+    out = Path(zoo_root) / manifest.name / manifest.version
+    return out, write_bundle(out, manifest, tensors), files
+
+
+def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] | None = None,
+                    key_clip: float | None = None, value_clip: float | None = None, group_size: int | None = None,
+                    name: str | None = None, version: str | None = None):
+    """An upstream directory as (manifest, tensors, files) of a bundle, nothing written.
 
     Keys and values are not centred; one clip ratio per side for every layer and head: the given ones, else those
     an oscar export recorded beside the files (oscar_upstream.json, when its checksums match), else the upstream
@@ -291,8 +300,7 @@ def import_upstream(directory: str | Path, zoo_root: str | Path, model: ModelInf
     )
     if not re.fullmatch(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+", manifest.name):
         raise OscarError(f"invalid bundle name {manifest.name!r}: use ORG/MODEL")
-    out = Path(zoo_root) / manifest.name / version
-    return out, write_bundle(out, manifest, tensors), files
+    return manifest, tensors, files
 
 
 # ---------------------------------------------------------------------------------------------------- export
