@@ -269,3 +269,26 @@ def test_a_hadamard_bundle_is_not_exported_as_r_h_pbr(exported, tmp_path):
     write_bundle(tmp_path / "h", manifest, b.tensors)
     with pytest.raises(OscarError, match="key rotation is H"):
         upstream.plan_export(tmp_path / "h", tmp_path / "x", calib)
+
+
+def test_verify_table_shows_the_other_bundle_beside_ours(capsys):
+    from oscar_cli.commands.verify import _merge, _print_report
+
+    def sample(shift):
+        rows = [{"layer": l, "kv_head": h, "oscar_key": 0.1 + l + shift, "oscar_value": 0.2, "hadamard_key": 0.3,
+                 "hadamard_value": 0.4, "int2_key": 0.5, "int2_value": 0.6} for l in range(2) for h in range(2)]
+        other = [{"layer": r["layer"], "kv_head": r["kv_head"], "oscar_key": 0.7 + shift, "oscar_value": 0.8} for r in rows]
+        mean = lambda rs: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0] if k not in ("layer", "kv_head")}  # noqa
+        return {"path": "torch reference", "layers": rows, "mean": mean(rows), "end_to_end": {"kl": 0.01, "top1_agreement": 0.9},
+                "compare": {"layers": other, "mean": mean(other), "end_to_end": {"kl": 0.03 + shift, "top1_agreement": 0.8}}}
+
+    report = _merge([sample(0.0), sample(0.02)])
+    assert abs(report["compare"]["mean"]["oscar_key"] - 0.71) < 1e-12 and abs(report["compare"]["end_to_end"]["kl"] - 0.04) < 1e-12
+    report.update(passed=True, max_logit_error=0.5)
+    report["compare"].update(name="org/model", version="upstream-seq1_prompt1_group8", bundle="imported/x")
+    before = json.dumps(report, sort_keys=True)
+    _print_report(report)
+    out = capsys.readouterr().out
+    assert "other" in out and "0.7100" in out and "upstream-seq1_prompt1_group8" in out
+    assert "other bundle's INT2 cache vs BF16: KL 0.0400" in out
+    assert json.dumps(report, sort_keys=True) == before  # printing leaves the report (and its JSON) as it was

@@ -128,9 +128,9 @@ def _print_report(report: dict) -> None:
     for row in rows_all:
         per_layer.setdefault(row["layer"], []).append(row)
     table = Table(title=f"INT2 attention error by layer, worst first ({report['path']})",
-                  caption=None if other is None else f"compared: {other['name']} {other['version']} ({other['bundle']})")
+                  caption=None if other is None else f"other: {other['name']} {other['version']} ({other['bundle']})")
     methods = ("oscar", "compare", "hadamard", "int2") if other else ("oscar", "hadamard", "int2")
-    names = {"oscar": "OSCAR", "compare": "compared", "hadamard": "Hadamard", "int2": "none"}
+    names = {"oscar": "OSCAR", "compare": "other", "hadamard": "Hadamard", "int2": "none"}
     for col in ("layer", *(f"{side}: {names[x]}" if x == "oscar" else names[x] for side in ("key", "value") for x in methods)):
         table.add_column(col, justify="right")
     if "decode_kernel_error" in report:
@@ -153,7 +153,7 @@ def _print_report(report: dict) -> None:
                   f"top-1 agreement {e2e['top1_agreement']:.1%}")
     if other:
         e2e = other["end_to_end"]
-        console.print(f"next-token logits with the compared bundle's INT2 cache vs BF16: KL {e2e['kl']:.4f} nats, "
+        console.print(f"next-token logits with the other bundle's INT2 cache vs BF16: KL {e2e['kl']:.4f} nats, "
                       f"top-1 agreement {e2e['top1_agreement']:.1%}")
     verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
     console.print(f"{verdict} OSCAR mean logit error {mm['oscar_key']:.4f} (threshold {report['max_logit_error']})")
