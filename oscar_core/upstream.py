@@ -268,7 +268,10 @@ def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] |
             tensors[f"layers.{i}.{side}_clip"] = torch.full((model.num_kv_heads,), clips[side])
             if f.eigenvalues[i] is not None:
                 tensors[f"layers.{i}.{side}_eigenvalues"] = f.eigenvalues[i]
-    quant = {"key_group_size": g, "value_group_size": g, "sink_tokens": 64, "recent_tokens": 256}
+    env = record["serve"]["env"] if record is not None else {}  # BF16 windows: as exported, else the runtime's
+    quant = {"key_group_size": g, "value_group_size": g,
+             "sink_tokens": int(env.get("SGLANG_MIXED_KV_PREFIX_TOKENS", 64)),
+             "recent_tokens": int(env.get("SGLANG_MIXED_KV_RECENT_TOKENS", 256))}
     notes = ["keys not centred (the format has no key means)",
              "one clip ratio per side for every layer and head (the runtime takes two numbers)"]
     if record is not None:
