@@ -292,3 +292,20 @@ def test_verify_table_shows_the_other_bundle_beside_ours(capsys):
     assert "other" in out and "0.7100" in out and "upstream-seq1_prompt1_group8" in out
     assert "other bundle's INT2 cache vs BF16: KL 0.0400" in out
     assert json.dumps(report, sort_keys=True) == before  # printing leaves the report (and its JSON) as it was
+
+
+def test_bundles_exported_with_eigenvalues_need_no_calibration_to_go_upstream(tmp_path):
+    calib = tiny_calibration(tmp_path / "calib")
+    plain, _ = export_bundle(calib, tmp_path / "plain")
+    bundle, _ = export_bundle(calib, tmp_path / "zoo", with_eigenvalues=True)
+    b = load_bundle(bundle)
+    assert b.layer(1, "value_eigenvalues").shape == (2, 16)
+    assert not any("eigenvalues" in k for k in load_bundle(plain).tensors)  # off by default: zoo bytes unchanged
+    for name, t in load_bundle(plain).tensors.items():
+        assert torch.equal(t, b.tensors[name])
+    plan = upstream.plan_export(bundle, tmp_path / "rz", clips="upstream")
+    assert plan.record["eigenvalues"] == "bundle"
+    bad = dict(b.tensors, **{"layers.0.key_eigenvalues": torch.zeros(16)})
+    write_bundle(tmp_path / "bad", b.manifest, bad)
+    with pytest.raises(OscarError, match=r"layers.0.key_eigenvalues has shape \(16,\), manifest implies \(2, 16\)"):
+        load_bundle(tmp_path / "bad")
