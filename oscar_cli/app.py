@@ -38,6 +38,10 @@ from oscar_cli.commands import eval as eval_cmd  # noqa: E402
 
 eval_cmd.register(app)
 
+from oscar_cli.commands import upstream  # noqa: E402
+
+upstream.register(app)
+
 
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 1, never a traceback."""

@@ -9,6 +9,9 @@ A bundle is a directory `<zoo>/<org>/<model>/<version>/` with
   and, when the manifest's rotation.key_centering / value_centering say so,
     layers.{i}.key_mean        float32 [kv_heads, d]      μ_K, subtracted before rotation
     layers.{i}.value_mean      float32 [kv_heads, d]      μ_V, subtracted before rotation, added to the output
+  and, optionally (bundles imported from the upstream format, or `oscar export --eigenvalues`),
+    layers.{i}.key_eigenvalues, layers.{i}.value_eigenvalues   float32 [kv_heads, d]   of C_Q / C_S, descending
+  A hybrid model's bundle has these tensors only for the layers listed in rotation.layers.
 - manifest.json: the Manifest below; tensors.sha256 is the checksum of rotations.safetensors.
 """
 
@@ -72,6 +75,8 @@ class RotationInfo(Strict):
     hadamard: Literal["sylvester"] = "sylvester"
     permutation: Literal["bit_reversal"] = "bit_reversal"
     eigenvector_signs: Literal["largest_magnitude_positive"] = "largest_magnitude_positive"
+    layers: list[int] | None = Field(None, description="global ids of the layers with rotations (a hybrid model's "
+                                                       "attention layers); None: every layer")
 
 
 class CalibrationInfo(Strict):
@@ -79,7 +84,7 @@ class CalibrationInfo(Strict):
     data_fingerprint: str
     samples: int
     seq_len: int
-    seed: int
+    seed: int | None = Field(description="sampling seed; None when unknown (imported rotations)")
     tokens: int
 
 
@@ -94,6 +99,19 @@ class ToolInfo(Strict):
     version: str = __version__
 
 
+class SourceInfo(Strict):
+    """Where an imported bundle came from (oscar_core/upstream.py)."""
+    format: str = Field(description="e.g. 'upstream RotationZoo (SGLang)'")
+    format_version: int
+    path: str = Field(description="the directory it was imported from, as given")
+    directory: str = Field(description="seq<T>_prompt<N>_group<G>")
+    files: dict[str, str] = Field(description="file name -> sha256")
+    objectives: dict[str, str] = Field(description="key / value -> the files' objective")
+    grouping: Literal["layer", "head"] = Field(description="one rotation per layer (broadcast to every KV head) or per head")
+    clips: str = Field(description="where the clip ratios came from")
+    notes: list[str] = Field(default_factory=list, description="what the format does not carry")
+
+
 class Manifest(Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
     name: str = Field(description="<org>/<model>")
@@ -106,6 +124,7 @@ class Manifest(Strict):
     tool: ToolInfo = ToolInfo()
     max_logit_error: float = Field(0.5, description="oscar verify fails when the OSCAR logit error passes this")
     fidelity: dict[str, float] | None = Field(None, description="verify figures, when recorded")
+    source: SourceInfo | None = Field(None, description="provenance of an imported bundle")
 
 
 class Bundle(BaseModel):
@@ -118,10 +137,18 @@ class Bundle(BaseModel):
         return self.tensors.get(f"layers.{i}.{name}")
 
 
+def bundle_layers(m: Manifest) -> list[int]:
+    """The global ids of the layers that carry rotations: every layer, or a hybrid model's attention layers."""
+    return list(range(m.model.num_layers)) if m.rotation.layers is None else list(m.rotation.layers)
+
+
+OPTIONAL_TENSORS = ("key_eigenvalues", "value_eigenvalues")
+
+
 def expected_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
     h, d = m.model.num_kv_heads, m.model.head_dim
     shapes = {}
-    for i in range(m.model.num_layers):
+    for i in bundle_layers(m):
         shapes[f"layers.{i}.key_rotation"] = (h, d, d)
         shapes[f"layers.{i}.value_rotation"] = (h, d, d)
         shapes[f"layers.{i}.key_clip"] = (h,)
@@ -150,7 +177,14 @@ def canonical_header(data: bytes) -> bytes:
 
 
 def manifest_json(manifest: Manifest) -> str:
-    return canonical_json(manifest.model_dump(mode="json"))
+    """Canonical JSON; the optional fields added after schema 1 shipped (source, rotation.layers) are left out
+    when unset, so manifests written before them keep their bytes."""
+    dump = manifest.model_dump(mode="json")
+    if dump["source"] is None:
+        del dump["source"]
+    if dump["rotation"]["layers"] is None:
+        del dump["rotation"]["layers"]
+    return canonical_json(dump)
 
 
 def write_bundle(out_dir: str | Path, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> Manifest:
@@ -204,5 +238,9 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu") -> Bundle:
         raise OscarError(f"bundle {root} lacks tensor {missing[0]} (and {len(missing) - 1} more)")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
+            raise OscarError(f"bundle {root}: {name} has shape {tuple(tensors[name].shape)}, manifest implies {shape}")
+    shape = (manifest.model.num_kv_heads, manifest.model.head_dim)
+    for name in (f"layers.{i}.{t}" for i in bundle_layers(manifest) for t in OPTIONAL_TENSORS):
+        if name in tensors and tuple(tensors[name].shape) != shape:
             raise OscarError(f"bundle {root}: {name} has shape {tuple(tensors[name].shape)}, manifest implies {shape}")
     return Bundle(path=root, manifest=manifest, tensors={k: v.to(device) for k, v in tensors.items()})

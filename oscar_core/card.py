@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import PurePosixPath
 
 from oscar_core.bundle import MANIFEST_FILE, Manifest
 
@@ -9,6 +10,17 @@ LICENSE = {"hf": "apache-2.0", "modelscope": "Apache License 2.0"}
 TAGS = ("kv-cache", "int2", "oscar", "quantization", "rotation")
 DOWNLOAD = {"hf": "hf download {repo} --local-dir {dir}", "modelscope": "modelscope download {repo} --local-dir {dir}"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _carries_eigenvalues(manifest: Manifest) -> bool:
+    return manifest.source is not None  # imported bundles carry the files' eigenvalues
+
+
+def export_directory(manifest: Manifest, group: int) -> str:
+    from oscar_core.upstream import directory_name, model_directory
+
+    c = manifest.calibration
+    return f"{model_directory(manifest.model.id)}/{directory_name(c.tokens, c.samples, group)}"
 
 
 def base_model(manifest: Manifest) -> str | None:
@@ -46,8 +58,25 @@ def _number(x: float) -> str:
     return f"{x:.4g}"
 
 
-def model_card(manifest: Manifest, hub: str, repo: str) -> str:
-    """The README.md for `repo` on `hub` ('hf' or 'modelscope'): what the bundle is, how it was made, how to use it."""
+def serve_section(manifest: Manifest, files_dir: str, how_to_get: list[str]) -> list[str]:
+    """"Serve with SGLang": the environment and command of the method authors' runtime for rotation files in
+    files_dir (upstream layout), after the steps in how_to_get."""
+    from oscar_core.upstream import serve_command, serve_env, shell_lines
+
+    q = manifest.quant
+    clips = {"key": q.key_clip, "value": q.value_clip}
+    env = serve_env(PurePosixPath(files_dir), clips, q.sink_tokens, q.recent_tokens)
+    return ["", "## Serve with SGLang", "",
+            "The method authors' SGLang tree serves an INT2 KV cache with these rotations (their format: two `.pt`",
+            "files, one clip ratio per side, keys not centred).", "", "```bash", *how_to_get,
+            shell_lines(env, serve_command(manifest.model.id, q.key_group_size)).rstrip(), "```"]
+
+
+def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str, str] | None = None) -> str:
+    """The README.md for `repo` on `hub` ('hf' or 'modelscope'): what the bundle is, how it was made, how to use it.
+
+    upstream_files (repo path -> sha256): the repo holds the upstream layout (manifest: as `oscar upstream import`
+    reads those files), not the bundle."""
     if hub not in LICENSE:
         raise ValueError(f"unknown hub {hub!r}")
     m, q, r, c = manifest.model, manifest.quant, manifest.rotation, manifest.calibration
@@ -93,6 +122,20 @@ def model_card(manifest: Manifest, hub: str, repo: str) -> str:
         lines += ["No verify or eval figures were recorded for this bundle.", ""]
     lines.append(f"`oscar verify` fails this bundle when its attention-logit error passes {manifest.max_logit_error}.")
 
+    if upstream_files:
+        first = next(iter(upstream_files))
+        files_dir = first.rsplit("/", 1)[0]
+        lines += ["", "## Files", ""]
+        lines += _table([(f"`{path}`", f"sha256 `{sha}`") for path, sha in upstream_files.items()], ("file", "sha256"))
+        if manifest.source and manifest.source.notes:
+            lines += ["", "Not carried by this format: " + "; ".join(manifest.source.notes) + "."]
+        lines += serve_section(manifest, f"rotations/{files_dir}",
+                               [DOWNLOAD[hub].format(repo=repo, dir="rotations"), f"# or: sh rotations/{files_dir}/serve.sh"])
+        lines += ["", "Check them with oscar: `oscar upstream import rotations/" + files_dir + " --out imported`, then",
+                  "`oscar verify imported/...` (its INT2 attention error on held-out text).", "",
+                  f"Built with {manifest.tool.name} {manifest.tool.version}."]
+        return "\n".join(lines) + "\n"
+
     lines += ["", "## Files", ""]
     lines += _table([(manifest.tensors.file, f"{manifest.tensors.bytes:,} bytes, sha256 `{manifest.tensors.sha256}`"),
                      (MANIFEST_FILE, "model, quantization, rotations, calibration and the checksum above")],
@@ -105,6 +148,16 @@ def model_card(manifest: Manifest, hub: str, repo: str) -> str:
               'r_k = bundle.layer(0, "key_rotation")       # [kv_heads, head_dim, head_dim]',
               "```", "",
               "R_K is orthogonal, so q·k = (q·R_K)·(k·R_K): the read path rotates each query once and attends to",
-              "the stored keys as they are. R_V can be folded into the value and output projections.", "",
-              f"Built with {manifest.tool.name} {manifest.tool.version}."]
+              "the stored keys as they are. R_V can be folded into the value and output projections."]
+    export = "oscar upstream export oscar-bundle --out rotations --clips upstream" + (
+        "" if _carries_eigenvalues(manifest) else " --calibration CALIBRATION_DIR")
+    group = min(128, manifest.model.head_dim)
+    served = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={
+        "key_group_size": group, "key_clip": 0.96, "value_clip": 0.92})})
+    name = export_directory(manifest, group)
+    lines += serve_section(served, f"rotations/{name}", [f"{export}   # writes rotations/{name}/ and serve.sh"])
+    lines += ["", "Without `--clips upstream` the export searches one clip per side on the calibration data instead of",
+              "the runtime's defaults; it prints what the format drops (key centring, per-head clips), and",
+              "`oscar upstream import` + `oscar verify oscar-bundle --compare` measure what that costs.",
+              "", f"Built with {manifest.tool.name} {manifest.tool.version}."]
     return "\n".join(lines) + "\n"

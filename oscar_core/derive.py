@@ -181,3 +181,27 @@ def derive_layer(stats, layer: int, opts: DeriveOptions) -> dict[str, torch.Tens
                           opts.sink_tokens, key_clip_grid(opts), opts.key_clip_objective),
             **derive_values(stats, layer, opts.value_rotation, opts.value_centering, opts.value_group_size,
                             opts.sink_tokens, opts.clip_grid)}
+
+
+def uncentred_clip_errors(stats, layer: int, side: str, r: torch.Tensor, group_size: int, sink_tokens: int):
+    """errors_at(c) -> [kv_heads] of one layer on the calibration probe with nothing centred (as a runtime without
+    key or value means stores the cache): the key logit objective Σ e C_Q eᵀ, or the value output error."""
+    p = stats.probe(layer)
+    if side == "key":
+        c_q = stats.query_covariance(layer)
+        return lambda c: key_errors(p["key"], r, None, c_q, c, group_size, sink_tokens)
+    scaling = float(stats.acc["scaling"][layer])
+    return lambda c: value_errors(p["query"], p["key"], p["value"], p["positions"], r, None, c, group_size,
+                                  sink_tokens, scaling)
+
+
+def search_global_clip(errors_at: list, grid) -> float:
+    """One clip ratio for every layer and head: argmin_c mean_{l,h} E_lh(c) / E_lh(c_max), c_max = max(grid).
+
+    errors_at[l](c) -> [kv_heads] errors of layer l at clip c. Each head's error is taken relative to its
+    error at c_max (unclipped), so every head counts alike: the raw sums are ruled by the layers with the
+    largest activations. Ties go to the larger c."""
+    grid = sorted(grid, reverse=True)
+    errors = torch.stack([torch.cat([f(c) for f in errors_at]) for c in grid])
+    relative = errors / errors[0].clamp_min(torch.finfo(errors.dtype).tiny)
+    return float(grid[int(relative.mean(1).argmin())])

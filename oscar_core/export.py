@@ -13,7 +13,7 @@ from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
 from oscar_core.quant import bits_per_element
-from oscar_core.rotations import VARIANTS, label, orthogonality_error
+from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error
 
 ORTHOGONALITY_TOLERANCE = 1e-5
 
@@ -39,8 +39,12 @@ def is_repo_zoo(zoo_root: Path) -> bool:
 
 def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v1", name: str | None = None,
                   opts: DeriveOptions = DeriveOptions(), sink_tokens: int = 64, recent_tokens: int = 256,
-                  on_layer: Callable[[int, int], None] | None = None) -> tuple[Path, Manifest]:
-    """Write <zoo_root>/<org>/<model>/<version>/ (and manifests/<org>/<model>/<version>.json for the repo zoo)."""
+                  on_layer: Callable[[int, int], None] | None = None,
+                  with_eigenvalues: bool = False) -> tuple[Path, Manifest]:
+    """Write <zoo_root>/<org>/<model>/<version>/ (and manifests/<org>/<model>/<version>.json for the repo zoo).
+
+    with_eigenvalues adds layers.{i}.key_eigenvalues / value_eigenvalues (of C_Q, C_S; what the upstream format
+    carries), off by default so that rebuilt zoo bundles keep their bytes."""
     for variant in (opts.key_rotation, opts.value_rotation):
         if variant not in VARIANTS:
             raise OscarError(f"unknown rotation {variant}: one of {', '.join(VARIANTS)}")
@@ -79,6 +83,10 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         for layer in range(model.num_layers):
             for key, value in derive_layer(stats, layer, opts).items():
                 tensors[f"layers.{layer}.{key}"] = value.float()
+            if with_eigenvalues:
+                tensors[f"layers.{layer}.key_eigenvalues"] = eigenvalues(stats.query_covariance(layer)).float()
+                tensors[f"layers.{layer}.value_eigenvalues"] = eigenvalues(
+                    stats.score_weighted_value_covariance(layer)).float()
             if on_layer:
                 on_layer(layer + 1, model.num_layers)
     finally:

@@ -75,12 +75,23 @@ def same_content(remote: RemoteFile | None, data: bytes) -> bool:
         remote.git_sha1 is not None and remote.git_sha1 == git_blob_sha1(data))
 
 
-def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, private: bool = False) -> Plan:
-    """Verify the bundle (manifest, checksum, tensor shapes) and list the files and card a push sends."""
+LAYOUTS = ("oscar", "upstream")
+
+
+def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, private: bool = False,
+              layout: str = "oscar") -> Plan:
+    """Verify the bundle (manifest, checksum, tensor shapes) and list the files and card a push sends.
+
+    layout "upstream": `bundle` is a directory written by `oscar upstream export`; its files are checked as an
+    import would check them and published under <Model>/seq<T>_prompt<N>_group<G>/, with a card that serves them."""
     if hub not in HUBS:
         raise OscarError(f"unknown hub {hub!r}: choose one of {', '.join(HUBS)}")
     if not REPO_ID.match(repo):
         raise OscarError(f"--repo must look like ORG/NAME, got {repo!r}")
+    if layout not in LAYOUTS:
+        raise OscarError(f"unknown layout {layout!r}: oscar or upstream")
+    if layout == "upstream":
+        return plan_upstream_push(bundle, hub, repo, revision, private)
     loaded = load_bundle(bundle)
     manifest = loaded.manifest
     # Upload the bytes that were verified: reread, and refuse if the bundle changed meanwhile.
@@ -94,6 +105,34 @@ def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, pri
              UploadFile(MANIFEST_FILE, manifest_data),
              UploadFile(CARD_FILE, card.encode()))
     return Plan(hub, repo, revision, private, manifest, files)
+
+
+def plan_upstream_push(directory: str, hub: str, repo: str, revision: str | None, private: bool) -> Plan:
+    from pathlib import Path
+
+    from oscar_core import upstream
+    from oscar_core.bundle import ModelInfo, bundle_dir
+
+    path = Path(directory)
+    if (path / MANIFEST_FILE).is_file() or (path.is_file() and path.name in (MANIFEST_FILE, "rotations.safetensors")):
+        raise OscarError(f"--layout upstream publishes a directory written by `oscar upstream export`: run it on "
+                         f"{bundle_dir(path)} first")
+    record = upstream.read_record(path) if path.is_dir() else None
+    if record is None:
+        raise OscarError(f"{directory} holds no {upstream.RECORD_FILE}: publish a directory written by "
+                         "`oscar upstream export`")
+    model = ModelInfo.model_validate(record["model"])
+    layers = record.get("layers")
+    manifest, _, files = upstream.upstream_bundle(path, model, None if layers == list(range(model.num_layers)) else layers,
+                                                  name=record["source"]["bundle"])
+    if record.get("files") != manifest.source.files:
+        raise OscarError(f"the rotation files in {directory} changed after `oscar upstream export` wrote them: "
+                         "export again")
+    prefix = f"{upstream.model_directory(model.id)}/{path.name}"
+    names = (*upstream.FILES.values(), upstream.SERVE_FILE, upstream.RECORD_FILE)
+    uploads = [UploadFile(f"{prefix}/{name}", (path / name).read_bytes()) for name in names]
+    card = model_card(manifest, hub, repo, upstream_files={f.path: f.sha256 for f in uploads})
+    return Plan(hub, repo, revision, private, manifest, (*uploads, UploadFile(CARD_FILE, card.encode())))
 
 
 def token_source(hub: str, token_env: str | None) -> str:
@@ -148,7 +187,15 @@ def commit_message(manifest: Manifest) -> str:
 
 
 def check_same_model(plan: Plan, remote: Remote, client) -> None:
-    """Refuse a repo that holds another model's bundle, or files that are no bundle at all."""
+    """Refuse a repo that holds another model's bundle, or files that are no bundle at all (upstream layout:
+    files outside this model's <Model>/ folder)."""
+    if plan.manifest.source is not None:
+        folder = plan.files[0].path.split("/", 1)[0] + "/"
+        foreign = sorted(p for p in set(remote.files) - SCAFFOLDING if not p.startswith(folder))
+        if foreign:
+            raise OscarError(f"{plan.repo} already holds files that are not this model's upstream rotations "
+                             f"({foreign[0]}): push to another --repo")
+        return
     if MANIFEST_FILE not in remote.files:
         foreign = sorted(set(remote.files) - SCAFFOLDING - {f.path for f in plan.files})
         if foreign:

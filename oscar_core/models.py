@@ -181,3 +181,15 @@ def resolve_device(device: str | None) -> str:
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise OscarError(f"unknown device {device}: use cpu or cuda")
     return device
+
+
+def attention_layer_ids(config) -> list[int] | None:
+    """Global ids of the layers that keep a KV cache in a hybrid model, from config.layer_types (e.g.
+    "full_attention", "sliding_attention", "linear_attention") or layers_block_type ("attention", "mamba");
+    None when every layer is an attention layer (or the config does not say)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
+    if not types:
+        return None
+    ids = [i for i, t in enumerate(types) if "attention" in str(t) and not str(t).startswith("linear")]
+    return None if len(ids) == len(types) else ids

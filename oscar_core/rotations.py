@@ -23,6 +23,12 @@ def eigenbasis(cov: torch.Tensor) -> torch.Tensor:
     return vectors * torch.where(signs == 0, 1.0, signs)
 
 
+def eigenvalues(cov: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues of symmetric cov [..., d, d], descending, float64: the order of eigenbasis's columns."""
+    cov = cov.double()
+    return torch.linalg.eigvalsh((cov + cov.mT) / 2).flip(-1)
+
+
 def hadamard(d: int) -> torch.Tensor:
     """Normalized Walsh-Hadamard matrix of size d (a power of two), Sylvester order, float64."""
     if d < 1 or d & (d - 1):

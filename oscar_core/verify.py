@@ -69,7 +69,7 @@ def _side_tensors(method: str, side: str, layer: int, kv_heads: int, head_dim: i
     return rotation.double(), s.mean, s.clip
 
 
-def layer_errors(held: dict, bundle: Bundle, write=None) -> list[dict]:
+def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED) -> list[dict]:
     """Per layer and KV head: key and value error of each compared method."""
     m = bundle.manifest
     kv, d, g, sink = m.model.num_kv_heads, m.model.head_dim, m.quant.key_group_size, m.quant.sink_tokens
@@ -77,7 +77,7 @@ def layer_errors(held: dict, bundle: Bundle, write=None) -> list[dict]:
     for layer in range(m.model.num_layers):
         q, k, v, scaling = held[layer]
         errors = {}
-        for method in COMPARED:
+        for method in compared:
             r, mean, clip = (x.to(k.device) if isinstance(x, torch.Tensor) else x
                              for x in _side_tensors(method, "key", layer, kv, d, bundle))
             errors[f"{method}_key"] = key_error(q, k, r, mean, clip, g, sink, write if method == "oscar" else None)
@@ -135,8 +135,11 @@ def summarize(rows: list[dict]) -> dict:
     return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
 
 
-def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool) -> dict:
-    """The measurement part of a verify report (checks are made by the caller first)."""
+def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool, compare: Bundle | None = None) -> dict:
+    """The measurement part of a verify report (checks are made by the caller first).
+
+    compare: a second bundle for the same model (e.g. one imported from the upstream format), measured on the
+    same held-out tokens; its OSCAR figures go to report["compare"]."""
     model = loaded.model
     device = next(model.parameters()).device
     bundle = bundle.model_copy(update={"tensors": {k: v.to(device) for k, v in bundle.tensors.items()}})
@@ -149,6 +152,11 @@ def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool) -> dict
               "end_to_end": next_token_effect(model, ids.to(device), bundle)}
     if use_kernels:
         report["decode_kernel_error"] = decode_kernel_errors(held, bundle)
+    if compare is not None:
+        compare = compare.model_copy(update={"tensors": {k: v.to(device) for k, v in compare.tensors.items()}})
+        rows = layer_errors(held, compare, write, ("oscar",))
+        report["compare"] = {"layers": rows, "mean": summarize(rows),
+                             "end_to_end": next_token_effect(model, ids.to(device), compare)}
     return report
 
 

@@ -266,3 +266,60 @@ def test_server_down_is_one_line_in_a_fresh_process(hub, bundle, tmp_path):
     assert out.strip().splitlines() == [f"error: cannot reach {'Hugging Face' if hub == 'hf' else 'ModelScope'} "
                                         f"at {down.url} (connection failed); nothing was published"]
     assert TOKEN not in out
+
+
+@pytest.fixture
+def upstream_dir(tmp_path, bundle) -> Path:
+    """`oscar upstream export` of the tiny bundle (given eigenvalues, so no calibration is needed)."""
+    import torch
+
+    from oscar_core import upstream
+    from oscar_core.bundle import load_bundle, write_bundle
+
+    b = load_bundle(bundle)
+    tensors = dict(b.tensors)
+    for i in range(2):
+        for side in ("key", "value"):
+            tensors[f"layers.{i}.{side}_eigenvalues"] = torch.linspace(3.0, 0.5, 8).expand(2, 8)
+    write_bundle(tmp_path / "with-eigen", b.manifest, tensors)
+    return upstream.write_export(upstream.plan_export(tmp_path / "with-eigen", tmp_path / "rz", clips="upstream"))
+
+
+def test_upstream_layout_publishes_the_sglang_files_and_a_card_that_serves_them(hub, server, client_env, upstream_dir,
+                                                                                bundle, capfd, monkeypatch):
+    from oscar_core.hub import plan_push
+
+    code, out = oscar(capfd, monkeypatch, *push_args(upstream_dir, hub, "--layout", "upstream"))
+    assert code == 0, out
+    assert "published oscar-test/tiny-llama upstream-seq4096_prompt8_group8" in out
+    files = server.files(REPO)
+    folder = "tiny-llama/seq4096_prompt8_group8"
+    names = ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt", "serve.sh", "oscar_upstream.json")
+    for name in names:
+        assert files[f"{folder}/{name}"] == (upstream_dir / name).read_bytes()
+    card = files["README.md"].decode()
+    assert card == plan_push(str(upstream_dir), hub, REPO, layout="upstream").card
+    assert "## Serve with SGLang" in card and "--kv-cache-dtype int2 --kv-cache-quant-group-size 8" in card
+    assert f"SGLANG_OSCAR_K_ROTATION_PATH=rotations/{folder}/k_rotation_qqt_r_h_pbr.pt" in card
+    assert "SGLANG_OSCAR_K_CLIP_RATIO=0.96" in card and "keys not centred" in card
+    # Again: nothing to upload. A bundle given for the upstream layout, or tampered files: one line, nothing sent.
+    code, out = oscar(capfd, monkeypatch, *push_args(upstream_dir, hub, "--layout", "upstream"))
+    assert code == 0 and "unchanged" in out
+    sent = len(server.requests())
+    code, out = oscar(capfd, monkeypatch, *push_args(bundle, hub, "--layout", "upstream"))
+    assert code == 1 and "run it on" in out and "oscar upstream export" in out
+    data = bytearray((upstream_dir / names[0]).read_bytes())
+    data[-30] ^= 1
+    (upstream_dir / names[0]).write_bytes(bytes(data))
+    code, out = oscar(capfd, monkeypatch, *push_args(upstream_dir, hub, "--layout", "upstream"))
+    assert code == 1 and len(out.strip().splitlines()) == 1, out
+    assert len(server.requests()) == sent
+
+
+def test_oscar_layout_card_says_how_to_serve_with_sglang(hub, bundle):
+    from oscar_core.hub import plan_push
+
+    card = plan_push(str(bundle), hub, REPO).card
+    assert "## Serve with SGLang" in card
+    assert "oscar upstream export oscar-bundle --out rotations --clips upstream --calibration CALIBRATION_DIR" in card
+    assert "python -m sglang.launch_server --model-path oscar-test/tiny-llama --kv-cache-dtype int2" in card

@@ -90,6 +90,7 @@ def to_device(cache):
     (128, 8, 2, 64, 64, [900, 321, 64, 65], True),
     (128, 8, 2, 64, 64, [900, 321, 64, 65], False),
     (128, 8, 2, 64, 128, [419, 7], False),
+    (128, 8, 2, 128, 128, [419, 7], True),   # the upstream runtime's group size, for keys and values
 ])
 def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_group, value_group, lengths, key_t):
     gen = torch.Generator().manual_seed(d + len(lengths))

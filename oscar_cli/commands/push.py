@@ -17,7 +17,14 @@ EXAMPLES = """Examples:
   HF_TOKEN=... oscar push zoo/Qwen/Qwen3-8B/v1 --hub hf --repo my-org/Qwen3-8B-oscar
 
   oscar push zoo/Qwen/Qwen3-8B/v1 --hub modelscope --repo my-org/Qwen3-8B-oscar --token-env MS_TOKEN
+
+  oscar push rotationzoo/Qwen3-8B/seq1048576_prompt256_group128 --layout upstream --hub hf --repo my-org/Qwen3-8B-oscar-sglang
 """
+
+
+class Layout(str, Enum):
+    oscar = "oscar"
+    upstream = "upstream"
 
 
 class Hub(str, Enum):
@@ -26,16 +33,17 @@ class Hub(str, Enum):
 
 
 def push(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory (rotations.safetensors + manifest.json).")],
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory (rotations.safetensors + manifest.json), or with --layout upstream a directory written by `oscar upstream export`.")],
     hub: Annotated[Hub, typer.Option(help="Where to publish.")],
     repo: Annotated[str, typer.Option(help="Target repository, ORG/NAME.")],
     revision: Annotated[Optional[str], typer.Option(help="Branch to commit to; default: the hub's main branch.")] = None,
     private: Annotated[bool, typer.Option("--private", help="Create the repo private (an existing repo keeps its visibility).")] = False,
     token_env: Annotated[Optional[str], typer.Option(metavar="VAR", help="Read the token from $VAR instead of the client's usual places.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be uploaded, then stop; touches nothing.")] = False,
+    layout: Annotated[Layout, typer.Option(help="oscar: the bundle; upstream: a directory from `oscar upstream export` (the SGLang files).")] = Layout.oscar,
 ) -> None:
     """Verify BUNDLE, write its model card, and publish both to --repo in one commit."""
-    plan = hub_core.plan_push(str(bundle), hub.value, repo, revision, private)
+    plan = hub_core.plan_push(str(bundle), hub.value, repo, revision, private, layout.value)
     if dry_run:
         render_plan(plan, token_env)
         return

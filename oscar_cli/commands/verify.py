@@ -12,7 +12,7 @@ from oscar_core.data import DEFAULT_HELDOUT, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_json
 from oscar_core.models import load_model, resolve_device
-from oscar_core.verify import (VERIFY_FILE, check_model, check_tensors, first_failure, headline, resolve_model_spec,
+from oscar_core.verify import (VERIFY_FILE, Check, check_model, check_tensors, first_failure, headline, resolve_model_spec,
                                verify as measure)
 
 EXAMPLES = """
@@ -39,11 +39,16 @@ def verify(
     max_logit_error: Annotated[Optional[float], typer.Option(help="Fail when OSCAR's mean logit error passes this; default: the manifest's.")] = None,
     checks_only: Annotated[bool, typer.Option(help="Only check the bundle (no model run).")] = False,
     record: Annotated[bool, typer.Option(help="Write the headline figures to verify.json beside the bundle (zoo list and model cards show them).")] = False,
+    compare: Annotated[Optional[Path], typer.Option(help="A second bundle for the same model (e.g. from `oscar upstream import`), measured beside this one.")] = None,
 ) -> None:
     """Check a bundle (schema, checksum, shapes, orthogonality, clips, model match), then measure its INT2 error."""
     b = load_bundle(bundle)
     m = b.manifest
     checks = check_tensors(b)
+    other = None
+    if compare is not None:
+        other = load_bundle(compare)
+        checks += [Check(f"compared: {c.name}", c.ok, c.detail) for c in check_tensors(other)]
     failure = first_failure(checks)
     if failure:
         raise OscarError(f"bundle check failed: {failure}")
@@ -53,6 +58,9 @@ def verify(
     device = resolve_device(device)
     loaded = load_model(resolve_model_spec(model, m.model), device, dtype)
     checks.append(check_model(m.model, loaded.info))
+    if other is not None:
+        c = check_model(other.manifest.model, loaded.info)
+        checks.append(Check(f"compared: {c.name}", c.ok, c.detail))
     failure = first_failure(checks)
     if failure:
         raise OscarError(f"bundle check failed: {failure}")
@@ -63,9 +71,11 @@ def verify(
     reports = []
     with console.status(f"measuring INT2 attention error on {samples} × {seq_len} held-out tokens"):
         for i in range(ids.shape[0]):
-            reports.append(measure(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda")))
+            reports.append(measure(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda"), compare=other))
     report = _merge(reports)
     threshold = m.max_logit_error if max_logit_error is None else max_logit_error
+    if other is not None:
+        report["compare"].update(bundle=str(other.path), name=other.manifest.name, version=other.manifest.version)
     report.update(bundle=str(b.path), name=m.name, version=m.version, data=data, data_fingerprint=fingerprint,
                   samples=samples, seq_len=seq_len, device=device, max_logit_error=threshold,
                   checks=[c.__dict__ for c in checks])
@@ -96,6 +106,9 @@ def _merge(reports: list[dict]) -> dict:
               "end_to_end": {k: avg([r["end_to_end"][k] for r in reports]) for k in first["end_to_end"]}}
     if "decode_kernel_error" in first:
         merged["decode_kernel_error"] = [avg(v) for v in zip(*(r["decode_kernel_error"] for r in reports))]
+    if "compare" in first:
+        merged["compare"] = _merge([{"path": r["path"], **r["compare"]} for r in reports])
+        del merged["compare"]["path"]
     return merged
 
 
@@ -105,11 +118,20 @@ def _print_checks(checks) -> None:
 
 
 def _print_report(report: dict) -> None:
+    other = report.get("compare")
+    rows_all, mm = [dict(r) for r in report["layers"]], dict(report["mean"])
+    if other:  # the compared bundle's OSCAR figures as columns of this table
+        for row, theirs in zip(rows_all, other["layers"]):
+            row.update(compare_key=theirs["oscar_key"], compare_value=theirs["oscar_value"])
+        mm.update(compare_key=other["mean"]["oscar_key"], compare_value=other["mean"]["oscar_value"])
     per_layer: dict[int, list[dict]] = {}
-    for row in report["layers"]:
+    for row in rows_all:
         per_layer.setdefault(row["layer"], []).append(row)
-    table = Table(title=f"INT2 attention error by layer, worst first ({report['path']})")
-    for col in ("layer", "key: OSCAR", "Hadamard", "none", "value: OSCAR", "Hadamard", "none"):
+    table = Table(title=f"INT2 attention error by layer, worst first ({report['path']})",
+                  caption=None if other is None else f"other: {other['name']} {other['version']} ({other['bundle']})")
+    methods = ("oscar", "compare", "hadamard", "int2") if other else ("oscar", "hadamard", "int2")
+    names = {"oscar": "OSCAR", "compare": "other", "hadamard": "Hadamard", "int2": "none"}
+    for col in ("layer", *(f"{side}: {names[x]}" if x == "oscar" else names[x] for side in ("key", "value") for x in methods)):
         table.add_column(col, justify="right")
     if "decode_kernel_error" in report:
         table.add_column("decode kernel", justify="right")
@@ -117,19 +139,22 @@ def _print_report(report: dict) -> None:
     order = sorted(per_layer, key=lambda l: -mean(per_layer[l], "oscar_key"))
     for layer in order:
         rows = per_layer[layer]
-        cells = [str(layer)] + [f"{mean(rows, f'{m}_{s}'):.4f}" for s in ("key", "value") for m in ("oscar", "hadamard", "int2")]
+        cells = [str(layer)] + [f"{mean(rows, f'{m}_{s}'):.4f}" for s in ("key", "value") for m in methods]
         if "decode_kernel_error" in report:
             cells.append(f"{report['decode_kernel_error'][layer]:.4f}")
         table.add_row(*cells)
-    mm = report["mean"]
     table.add_section()
-    table.add_row("mean", *[f"{mm[f'{m}_{s}']:.4f}" for s in ("key", "value") for m in ("oscar", "hadamard", "int2")],
+    table.add_row("mean", *[f"{mm[f'{m}_{s}']:.4f}" for s in ("key", "value") for m in methods],
                   *([f"{sum(report['decode_kernel_error']) / len(report['decode_kernel_error']):.4f}"]
                     if "decode_kernel_error" in report else []))
     console.print(table)
     e2e = report["end_to_end"]
     console.print(f"next-token logits with the OSCAR INT2 cache vs BF16: KL {e2e['kl']:.4f} nats, "
                   f"top-1 agreement {e2e['top1_agreement']:.1%}")
+    if other:
+        e2e = other["end_to_end"]
+        console.print(f"next-token logits with the other bundle's INT2 cache vs BF16: KL {e2e['kl']:.4f} nats, "
+                      f"top-1 agreement {e2e['top1_agreement']:.1%}")
     verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
     console.print(f"{verdict} OSCAR mean logit error {mm['oscar_key']:.4f} (threshold {report['max_logit_error']})")
 
