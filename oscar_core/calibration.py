@@ -210,8 +210,9 @@ def _resume(out_dir: Path, record: dict, info, device: str) -> tuple[AttentionSt
         changed = next(k for k in IDENTITY_KEYS if previous.get(k) != record[k])
         raise OscarError(f"{out_dir} holds a calibration of other inputs ({changed} differs): "
                          "use another --out or delete it")
-    for stale in out_dir.glob(f".{STATISTICS_FILE}.*.tmp"):  # left by a process stopped mid-write
-        stale.unlink(missing_ok=True)
+    for name in (STATISTICS_FILE, RECORD_FILE):  # temporary files left by a process stopped mid-write
+        for stale in out_dir.glob(f".{name}.*.tmp"):
+            stale.unlink(missing_ok=True)
     if not (out_dir / STATISTICS_FILE).exists():
         return stats, 0
     if previous.get("complete"):

@@ -124,6 +124,8 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
 
     opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens})
     tensors: dict[str, torch.Tensor] = {}
+    if workers is not None and workers < 1:
+        raise OscarError("--workers must be at least 1")
     workers = min(workers or default_workers(), model.num_layers)
     for layer, derived in derive_layers(stats, calib_dir, model.num_heads, opts, workers, on_layer):
         for key, value in derived.items():

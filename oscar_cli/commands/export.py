@@ -33,6 +33,7 @@ def export(
     group_size: Annotated[int, typer.Option(help="INT2 group size for keys and values (capped at head_dim).")] = 64,
     key_clip_objective: Annotated[str, typer.Option(help="Key clip search objective: logit (Σ e C_Q eᵀ), output, kl or weighted-logit (attention-aware, on the probe).")] = DeriveOptions.key_clip_objective,
     key_clip_floor: Annotated[float, typer.Option(help="Smallest key clip ratio the search may pick.")] = DeriveOptions.key_clip_floor,
+    workers: Annotated[Optional[int], typer.Option(help="Processes deriving layers at once (each single-threaded: the bytes do not depend on it); default: one per CPU core.")] = None,
 ) -> None:
     """Compute R_K = U_Q·H·P_br, R_V = U_S·H·P_br and calibrated clip thresholds; write a rotation bundle."""
     opts = DeriveOptions(key_rotation=key_rotation, value_rotation=value_rotation, key_centering=key_centering,
@@ -40,7 +41,7 @@ def export(
                          key_clip_objective=key_clip_objective, key_clip_floor=key_clip_floor)
     with progress() as bar:
         task = bar.add_task("deriving rotations", total=None, rate="layers")
-        path, manifest = export_bundle(calib_dir, out, version=version, name=name, opts=opts,
+        path, manifest = export_bundle(calib_dir, out, version=version, name=name, opts=opts, workers=workers,
                                        on_layer=lambda done, total: bar.update(task, completed=done, total=total))
     q = manifest.quant
     table = Table(title=f"{manifest.name} {manifest.version}")
