@@ -277,8 +277,9 @@ def bench(args) -> None:
     device = "CPU (dry run)" if args.device == "cpu" else \
         f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     lines = [f"# Calibration on several GPUs (`bench/distributed.py`)", "",
-             f"{device}, {cores} CPU cores, torch {torch.__version__}; random-initialised models with real shapes; "
-             f"{args.samples} samples x {args.seq_len} tokens, batch 1, BF16 weights, float64 statistics; "
+             f"{device}, {cores} CPU cores, torch {torch.__version__}; random-initialised models "
+             f"{'(tiny configs)' if args.tiny else 'with real shapes'}; "
+             f"{args.samples} samples x {args.seq_len} tokens, batch 1, {'float32' if args.device == 'cpu' else 'BF16'} weights, float64 statistics; "
              f"statistics written once, at the end (`--checkpoint-every` large).", ""]
     results = {}
 
@@ -359,9 +360,9 @@ def render(name: str, e: dict) -> list[str]:
         one, two = e["one"]["ranks"][0], e["two"]["ranks"][0]
         peaks2 = {k: v for r in e["two"]["ranks"] for k, v in r["peak_gib"].items()}
         lines += ["| run | tokens/s steady | tokens/s end to end | peak memory per GPU | wall |", "|---|---|---|---|---|",
-                  f"| 1 GPU | {one['steady_tokens_per_s']:,.0f} | {one['end_to_end_tokens_per_s']:,.0f} | "
+                  f"| 1 process{' (1 GPU)' if one['gpus'] else ''} | {one['steady_tokens_per_s']:,.0f} | {one['end_to_end_tokens_per_s']:,.0f} | "
                   f"{', '.join(f'{k} {v} GiB' for k, v in one['peak_gib'].items())} | {e['one']['wall_s']} s |",
-                  f"| 2 GPUs, data parallel | {two['steady_tokens_per_s']:,.0f} | {two['end_to_end_tokens_per_s']:,.0f} | "
+                  f"| 2 processes{' (2 GPUs)' if two['gpus'] else ''}, data parallel | {two['steady_tokens_per_s']:,.0f} | {two['end_to_end_tokens_per_s']:,.0f} | "
                   f"{', '.join(f'{k} {v} GiB' for k, v in sorted(peaks2.items()))} | {e['two']['wall_s']} s |", "",
                   f"Speed-up, steady rounds: **{two['steady_tokens_per_s'] / one['steady_tokens_per_s']:.2f}x**; "
                   f"end to end (model build excluded, final write included): "
@@ -369,7 +370,7 @@ def render(name: str, e: dict) -> list[str]:
     if "deviation" in e:
         d = e["deviation"]
         worst = max(v for k, v in d.items() if isinstance(v, float) and k != "probes")
-        lines += [f"Largest deviation of the 2-GPU statistics from the 1-GPU ones (|a − b| / max|a|): "
+        lines += [f"Largest deviation of the 2-process statistics from the 1-process ones (|a − b| / max|a|): "
                   f"{worst:.2e} ({', '.join(f'{k} {v:.1e}' for k, v in d.items() if isinstance(v, float))}); "
                   f"row counts equal: {d['rows_equal']}.", ""]
     if "export" in e:
