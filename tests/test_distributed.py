@@ -222,3 +222,32 @@ def test_parallel_export_is_byte_identical_to_the_serial_one(tmp_path):
     parallel, _ = export_bundle(calib, tmp_path / "parallel", workers=2)
     for name in ("rotations.safetensors", "manifest.json"):
         assert (serial / name).read_bytes() == (parallel / name).read_bytes()
+
+
+def test_launched_processes_get_the_same_request(tmp_path, capfd, monkeypatch):
+    """calibration_args (what launch() hands to the processes) parses back into the very same request."""
+    from conftest import run_cli
+
+    import oscar_cli.commands.calibrate as command
+
+    req = CalibrationRequest(model="org/m", data="d.jsonl", split="validation", text_field="body", samples=7,
+                             seq_len=99, batch_size=2, seed=3, device="cpu", dtype="bfloat16", shard=True,
+                             checkpoint_s=30.0)
+    seen = []
+    monkeypatch.setattr(command, "run_calibration", lambda r, out, **kw: seen.append((r, out)) or {
+        "model": {"id": "m"}, "samples_done": 0, "seq_len": 99, "tokens": 0})
+    code, _ = run_cli(capfd, monkeypatch, *distributed.calibration_args(req, tmp_path / "out"))
+    assert code == 0 and seen == [(req, tmp_path / "out")]
+
+
+def test_recipes_state_their_gpus():
+    import pydantic
+
+    from oscar_core.zoo import Recipe, missing_requirements
+
+    recipe = Recipe(name="org/m", version="v1", model="default", samples=1, seq_len=8, gpus=2, device="cuda")
+    assert "gpus" not in recipe.calibration_fields() and recipe.gpus == 2
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in missing_requirements(recipe)
+    with pytest.raises(pydantic.ValidationError):
+        Recipe(name="org/m", version="v1", model="default", samples=1, seq_len=8, gpus=0)
