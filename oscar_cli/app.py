@@ -6,6 +6,7 @@ import sys
 import typer
 
 from oscar_cli.ui import err_console
+from oscar_core.distributed import LAUNCHED, record_error
 from oscar_core.errors import OscarError
 
 app = typer.Typer(
@@ -49,7 +50,9 @@ def main() -> None:
         rc = app(standalone_mode=False)
         sys.exit(rc if isinstance(rc, int) else 0)
     except OscarError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        record_error(e)
+        if not os.environ.get(LAUNCHED):  # under `oscar calibrate --gpus N` the launcher prints the one line
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
@@ -65,6 +68,9 @@ def main() -> None:
             e.show()
             sys.exit(e.exit_code)
         if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        record_error(e)
+        if os.environ.get(LAUNCHED):
             sys.exit(1)
         err_console.print(f"[bold red]error:[/] {type(e).__name__}: {e} (set OSCAR_DEBUG=1 for a traceback)",
                           highlight=False, soft_wrap=True)

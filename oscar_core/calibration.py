@@ -16,11 +16,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from oscar_core import __version__
+from oscar_core import __version__, distributed
 from oscar_core.data import DEFAULT_CALIBRATION, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes, atomic_write_json
-from oscar_core.models import load_model, resolve_device
+from oscar_core.models import gpu_memory, load_model, model_devices, resolve_device
 from oscar_core.statistics import AttentionStatistics, observe_attention
 
 STATISTICS_FILE = "statistics.safetensors"
@@ -40,6 +40,8 @@ class CalibrationRequest:
     seed: int = 0
     device: str | None = None
     dtype: str | None = None
+    shard: bool = False        # spread the model over this process's GPUs (accelerate device map)
+    checkpoint_s: float = 0.0  # write the statistics at most this often (0: after every round) and at the end
 
 
 def _identity(record: dict) -> dict:
@@ -72,10 +74,28 @@ def read_statistics(calib_dir: str | Path, num_heads: int) -> tuple[AttentionSta
     return AttentionStatistics.from_state_dict(state, num_heads), done
 
 
+def read_layer_statistics(calib_dir: str | Path, layer: int, num_heads: int) -> AttentionStatistics:
+    """One layer's statistics as a one-layer AttentionStatistics (its layer 0), read without loading the others."""
+    with safe_open(Path(calib_dir) / STATISTICS_FILE, "pt") as f:
+        state = {name: f.get_slice(name)[layer:layer + 1] for name in f.keys() if ".probe_" not in name}
+        prefix = f"layers.{layer}."
+        state.update({f"layers.0.{name.removeprefix(prefix)}": f.get_tensor(name)
+                      for name in f.keys() if name.startswith(prefix)})
+    return AttentionStatistics.from_state_dict(state, num_heads)
+
+
 def _save(calib_dir: Path, stats: AttentionStatistics, done: int, record: dict) -> None:
     data = save(stats.state_dict(), metadata={"samples_done": str(done), "tool_version": __version__})
     atomic_write_bytes(calib_dir / STATISTICS_FILE, data)
     atomic_write_json(calib_dir / RECORD_FILE, record)
+
+
+def _rounds(done: int, total: int, group: distributed.Group, batch_size: int):
+    """(first sample of the round, this process's slice) for every round of world × batch_size samples."""
+    step = group.world * batch_size
+    for start in range(done, total, step):
+        mine = start + group.rank * batch_size
+        yield start, slice(min(mine, total), min(mine + batch_size, total))
 
 
 def calibrate(req: CalibrationRequest, out_dir: str | Path,
@@ -84,7 +104,9 @@ def calibrate(req: CalibrationRequest, out_dir: str | Path,
     """Run (or resume) a calibration into out_dir; returns the provenance record.
 
     on_loaded(record) is called once the model and samples are ready; on_progress(done, total,
-    tokens_per_s) after every batch. `loaded` (models.LoadedModel) skips loading req.model.
+    tokens_per_s) after every round. `loaded` (models.LoadedModel) skips loading req.model.
+    Under torchrun (several processes) every process runs its share of each round; rank 0 writes and
+    calls the callbacks, and returns the record (the other ranks return it too, without timings of theirs).
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -92,59 +114,110 @@ def calibrate(req: CalibrationRequest, out_dir: str | Path,
     if req.samples < 1 or req.seq_len < 2 or req.batch_size < 1:
         raise OscarError("--samples, --seq-len and --batch-size must be positive (seq-len at least 2)")
     device = resolve_device(req.device)
+    group = distributed.from_env()
+    if device.startswith("cuda") and loaded is None:
+        gpus = distributed.process_gpus(group, torch.cuda.device_count(), req.shard)
+        device = f"cuda:{gpus[0]}"
+    elif device == "cuda":
+        device = f"cuda:{group.local_rank}"
+    group = distributed.join(device)
+    try:
+        record = _calibrate(req, out_dir, device, group, on_progress, on_loaded, loaded)
+        distributed.barrier(group)  # every process returns once rank 0 has written
+        return record
+    finally:
+        distributed.leave(group)
+
+
+def _calibrate(req, out_dir, device, group, on_progress, on_loaded, loaded) -> dict:
     t0 = time.perf_counter()
-    loaded = loaded or load_model(req.model, device, req.dtype)
+    if loaded is None:
+        memory = gpu_memory(distributed.process_gpus(group, torch.cuda.device_count(), req.shard)) \
+            if device.startswith("cuda") else None
+        loaded = load_model(req.model, device, req.dtype, max_memory=memory)
     info = loaded.info
+    device = str(loaded.model.get_input_embeddings().weight.device)
     if info.max_position_embeddings and req.seq_len > info.max_position_embeddings:
         raise OscarError(f"--seq-len {req.seq_len} is above the model's limit of {info.max_position_embeddings} tokens")
     t1 = time.perf_counter()
-    samples, fingerprint = load_samples(req.data, loaded.tokenizer, req.samples, req.seq_len, req.seed,
-                                        req.split, req.text_field)
+    stats, done, record, samples = None, 0, None, None
+    if group.first:
+        samples, fingerprint = load_samples(req.data, loaded.tokenizer, req.samples, req.seq_len, req.seed,
+                                            req.split, req.text_field)
+        record = {
+            "model": info.model_dump(mode="json"),
+            "data": {"source": req.data or DEFAULT_CALIBRATION, "split": req.split, "text_field": req.text_field,
+                     "fingerprint": fingerprint},
+            "samples": req.samples, "seq_len": req.seq_len, "seed": req.seed, "batch_size": req.batch_size,
+            "device": device, "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+            "tool_version": __version__, "samples_done": 0, "tokens": 0, "complete": False,
+        }
+        if group.world > 1 or len(model_devices(loaded.model)) > 1:
+            record["processes"] = group.world
+            record["devices"] = model_devices(loaded.model)
+        stats, done = _resume(out_dir, record, info, device)
+    record, samples, done = distributed.broadcast(group, (record, samples, done))
     t2 = time.perf_counter()
-    record = {
-        "model": info.model_dump(mode="json"),
-        "data": {"source": req.data or DEFAULT_CALIBRATION, "split": req.split, "text_field": req.text_field,
-                 "fingerprint": fingerprint},
-        "samples": req.samples, "seq_len": req.seq_len, "seed": req.seed, "batch_size": req.batch_size,
-        "device": device, "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
-        "tool_version": __version__, "samples_done": 0, "tokens": 0, "complete": False,
-    }
-
-    stats, done = AttentionStatistics(info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim,
-                                      device=device), 0
-    if (out_dir / RECORD_FILE).exists():
-        previous = read_record(out_dir)
-        if _identity(previous) != _identity(record):
-            changed = next(k for k in IDENTITY_KEYS if previous.get(k) != record[k])
-            raise OscarError(f"{out_dir} holds a calibration of other inputs ({changed} differs): "
-                             "use another --out or delete it")
-        if previous.get("complete") and (out_dir / STATISTICS_FILE).exists():
-            return previous
-        if (out_dir / STATISTICS_FILE).exists():
-            stats, done = read_statistics(out_dir, info.num_heads)
-            stats = AttentionStatistics.from_state_dict(stats.state_dict(), info.num_heads, device=device)
-    if on_loaded:
+    if stats is None:
+        stats = AttentionStatistics(info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, device=device)
+    if record.get("complete") and done == req.samples:
+        return record
+    if on_loaded and group.first:
         on_loaded(record)
 
-    forward_s = 0.0
+    forward_s, window_start, saved_at = 0.0, done, time.perf_counter()
     with torch.inference_mode(), observe_attention(loaded.model, stats.observe):
-        for start in range(done, req.samples, req.batch_size):
-            batch = samples[start:start + req.batch_size].to(device)
+        for start, mine in _rounds(done, req.samples, group, req.batch_size):
             t = time.perf_counter()
-            loaded.model(input_ids=batch, use_cache=False, logits_to_keep=1)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
+            if mine.start < mine.stop:
+                stats.first_sample = mine.start
+                loaded.model(input_ids=samples[mine].to(device), use_cache=False, logits_to_keep=1)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize(device)
             forward_s += time.perf_counter() - t
-            bad = stats.non_finite()
-            if bad:
-                raise OscarError(f"NaN or Inf in gathered statistics ({bad}) after sample {start}: "
-                                 "try --dtype float32, or check the model's weights")
-            done = start + batch.shape[0]
-            record.update(samples_done=done, tokens=done * req.seq_len, complete=done == req.samples)
+            end = min(start + group.world * req.batch_size, req.samples)
+            due = end == req.samples or time.perf_counter() - saved_at >= req.checkpoint_s
+            if distributed.agree(group, due, device):
+                sums, rows = distributed.reduce_to_first(group, *stats.pending(), device,
+                                                         gather_probes=window_start < stats.probe_samples)
+                window_start, saved_at = end, time.perf_counter()
+                if group.first:
+                    stats.add(sums, rows)
+                    bad = stats.non_finite()
+                    if bad:
+                        raise OscarError(f"NaN or Inf in gathered statistics ({bad}) after sample {end - 1}: "
+                                         "try --dtype float32, or check the model's weights")
+            if not group.first:
+                continue
+            record.update(samples_done=end, tokens=end * req.seq_len, complete=end == req.samples)
             record["timings"] = {"load_s": round(t1 - t0, 3), "data_s": round(t2 - t1, 3),
                                  "forward_s": round(forward_s, 3),
-                                 "tokens_per_s": round(batch.numel() / max(time.perf_counter() - t, 1e-9), 1)}
-            _save(out_dir, stats, done, record)
+                                 "tokens_per_s": round((end - start) * req.seq_len / max(time.perf_counter() - t, 1e-9), 1)}
+            if due:
+                _save(out_dir, stats, end, record)
             if on_progress:
-                on_progress(done, req.samples, record["timings"]["tokens_per_s"])
+                on_progress(end, req.samples, record["timings"]["tokens_per_s"])
     return record
+
+
+def _resume(out_dir: Path, record: dict, info, device: str) -> tuple[AttentionStatistics, int]:
+    """The statistics to continue from (zero for a new directory) and the samples they count."""
+    stats = AttentionStatistics(info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, device=device)
+    if not (out_dir / RECORD_FILE).exists():
+        return stats, 0
+    previous = read_record(out_dir)
+    if _identity(previous) != _identity(record):
+        changed = next(k for k in IDENTITY_KEYS if previous.get(k) != record[k])
+        raise OscarError(f"{out_dir} holds a calibration of other inputs ({changed} differs): "
+                         "use another --out or delete it")
+    for name in (STATISTICS_FILE, RECORD_FILE):  # temporary files left by a process stopped mid-write
+        for stale in out_dir.glob(f".{name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+    if not (out_dir / STATISTICS_FILE).exists():
+        return stats, 0
+    if previous.get("complete"):
+        record.clear()
+        record.update(previous)
+        return stats, previous["samples_done"]
+    stats, done = read_statistics(out_dir, info.num_heads)
+    return AttentionStatistics.from_state_dict(stats.state_dict(), info.num_heads, device=device), done

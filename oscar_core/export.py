@@ -1,14 +1,17 @@
 """`oscar export`: derive rotations and clip thresholds from a calibration directory, write a bundle."""
 
+import multiprocessing
+import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
 
 from oscar_core.bundle import (CONTEXTS_REPORTED, CalibrationInfo, Manifest, ModelInfo, QuantInfo, RotationInfo,
                                TensorFileInfo, manifest_json, write_bundle)
-from oscar_core.calibration import read_record, read_statistics
+from oscar_core.calibration import read_layer_statistics, read_record, read_statistics
 from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
@@ -33,6 +36,50 @@ def average_bits(context: int, quant: dict) -> float:
     return round((k + v) / 2, 4)
 
 
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _single_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOptions) -> tuple[int, dict]:
+    return layer, derive_layer(read_layer_statistics(calib_dir, layer, num_heads), 0, opts)
+
+
+def derive_layers(stats, calib_dir, num_heads: int, opts: DeriveOptions, workers: int,
+                  on_layer: Callable[[int, int], None] | None = None):
+    """(layer, its bundle tensors) for every layer, in layer order.
+
+    Every derivation runs on one thread (LAPACK's eigh differs in the last bits with the thread count), so
+    the bytes do not depend on `workers`: with workers > 1, that many spawned processes each derive whole
+    layers, reading only their layer from the statistics file.
+    """
+    total = stats.num_layers
+    if workers <= 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for layer in range(total):
+                yield layer, derive_layer(stats, layer, opts)
+                if on_layer:
+                    on_layer(layer + 1, total)
+        finally:
+            torch.set_num_threads(threads)
+        return
+    results = {}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_single_thread) as pool:
+        futures = [pool.submit(_derive_from_file, str(calib_dir), layer, num_heads, opts) for layer in range(total)]
+        for future in as_completed(futures):
+            layer, derived = future.result()
+            results[layer] = derived
+            if on_layer:
+                on_layer(len(results), total)
+    for layer in range(total):
+        yield layer, results[layer]
+
+
 def is_repo_zoo(zoo_root: Path) -> bool:
     return zoo_root.name == "zoo" and (zoo_root.parent / "manifests").is_dir()
 
@@ -40,11 +87,15 @@ def is_repo_zoo(zoo_root: Path) -> bool:
 def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v1", name: str | None = None,
                   opts: DeriveOptions = DeriveOptions(), sink_tokens: int = 64, recent_tokens: int = 256,
                   on_layer: Callable[[int, int], None] | None = None,
-                  with_eigenvalues: bool = False) -> tuple[Path, Manifest]:
+                  with_eigenvalues: bool = False, workers: int = 1) -> tuple[Path, Manifest]:
     """Write <zoo_root>/<org>/<model>/<version>/ (and manifests/<org>/<model>/<version>.json for the repo zoo).
 
     with_eigenvalues adds layers.{i}.key_eigenvalues / value_eigenvalues (of C_Q, C_S; what the upstream format
-    carries), off by default so that rebuilt zoo bundles keep their bytes."""
+    carries), off by default so that rebuilt zoo bundles keep their bytes.
+    workers: processes deriving layers at once (at most one per layer; the bytes do not depend on it). More than
+    one spawns processes, so a script calling this needs an `if __name__ == "__main__":` guard; the CLI's
+    default is one per CPU core (default_workers()).
+    """
     for variant in (opts.key_rotation, opts.value_rotation):
         if variant not in VARIANTS:
             raise OscarError(f"unknown rotation {variant}: one of {', '.join(VARIANTS)}")
@@ -77,20 +128,23 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
 
     opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens})
     tensors: dict[str, torch.Tensor] = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # LAPACK's eigh differs in the last bits with the thread count: pin it
-    try:
-        for layer in range(model.num_layers):
-            for key, value in derive_layer(stats, layer, opts).items():
-                tensors[f"layers.{layer}.{key}"] = value.float()
-            if with_eigenvalues:
+    if workers < 1:
+        raise OscarError("--workers must be at least 1")
+    for layer, derived in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, model.num_layers),
+                                        on_layer):
+        for key, value in derived.items():
+            tensors[f"layers.{layer}.{key}"] = value.float()
+    if with_eigenvalues:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # LAPACK's eigensolver differs in the last bits with the thread count: pin it
+        try:
+            for layer in range(model.num_layers):
                 tensors[f"layers.{layer}.key_eigenvalues"] = eigenvalues(stats.query_covariance(layer)).float()
                 tensors[f"layers.{layer}.value_eigenvalues"] = eigenvalues(
                     stats.score_weighted_value_covariance(layer)).float()
-            if on_layer:
-                on_layer(layer + 1, model.num_layers)
-    finally:
-        torch.set_num_threads(threads)
+        finally:
+            torch.set_num_threads(threads)
+    del stats
     worst = max(orthogonality_error(t) for k, t in tensors.items() if k.endswith("_rotation"))
     if worst > ORTHOGONALITY_TOLERANCE:
         raise OscarError(f"derived rotations are not orthogonal (max |R^T R - I| = {worst:.2e}): statistics are degenerate")

@@ -5,6 +5,8 @@ import hashlib
 import importlib.util
 import io
 import json
+import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,8 +137,50 @@ def check_supported(model: torch.nn.Module) -> None:
                          "attention interface, so its attention cannot be observed")
 
 
-def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """Load tokenizer and causal LM in eval mode, with sdpa attention, and read its attention facts."""
+GPU_MEMORY_SHARE = 0.9  # of each GPU's free memory for weights; the rest is left for activations and statistics
+
+
+def gpu_memory(gpus: list[int]) -> dict[int, int]:
+    """The weight budget of each GPU (bytes): a share of its free memory."""
+    return {i: int(torch.cuda.mem_get_info(i)[0] * GPU_MEMORY_SHARE) for i in gpus}
+
+
+def plan_device_map(model: torch.nn.Module, max_memory: dict, dtype: torch.dtype) -> dict[str, int | str]:
+    """Place a model's modules on the devices of max_memory (accelerate's planner, decoder layers never split),
+    balanced over the GPUs; one line when they do not hold it. model may live on the meta device."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import compute_module_sizes, get_balanced_memory
+
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    with warnings.catch_warnings():  # its advice on offloading: we refuse to offload instead
+        warnings.simplefilter("ignore")
+        plan = infer_auto_device_map(model, max_memory=dict(max_memory), no_split_module_classes=no_split, dtype=dtype)
+    if any(device not in max_memory for device in plan.values()):
+        need = compute_module_sizes(model, dtype=dtype)[""]
+        have = sum(max_memory.values())
+        names = ", ".join(str(d) if isinstance(d, str) else f"cuda:{d}" for d in max_memory)
+        more = "" if len(max_memory) > 1 else "; --shard spreads it over several GPUs"
+        raise OscarError(f"the model does not fit: its weights need {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, "
+                         f"the memory set aside for them on {names} is {have / 2**30:.1f} GiB{more}")
+    if len(max_memory) > 1:
+        balanced = get_balanced_memory(model, max_memory=dict(max_memory), no_split_module_classes=no_split, dtype=dtype)
+        plan = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split, dtype=dtype)
+    return plan
+
+
+def model_devices(model: torch.nn.Module) -> list[str]:
+    """The devices holding a model's parameters, in order of first use."""
+    return list(dict.fromkeys(str(p.device) for p in model.parameters()))
+
+
+def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None,
+               max_memory: dict | None = None) -> LoadedModel:
+    """Load tokenizer and causal LM in eval mode, with sdpa attention, and read its attention facts.
+
+    max_memory ({GPU index or "cpu": bytes}): place the model over those devices with plan_device_map and
+    load each weight straight onto its device (no full copy in host memory); None loads onto `device`.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -148,6 +192,12 @@ def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        if max_memory is not None:
+            from accelerate import init_empty_weights
+
+            with init_empty_weights():
+                empty = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            kwargs["device_map"] = plan_device_map(empty, max_memory, dtype)
         with contextlib.redirect_stderr(io.StringIO()):  # the GGUF loader draws its own tqdm bar
             model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype,
                                                          attn_implementation="sdpa", **kwargs)
@@ -157,7 +207,9 @@ def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OscarError(f"cannot load model {spec or DEFAULT_MODEL}: {first}") from None
     check_supported(model)
-    model.to(device).eval()
+    if max_memory is None:
+        model.to(device)
+    model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, info=model_info(spec, config, weights_file, source, type(model).__name__))
 
 

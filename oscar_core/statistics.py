@@ -8,6 +8,11 @@ Per layer l and KV head g (whose query heads are G(g)), over all N calibration t
 Plus a bounded probe per layer: the first `probe_tokens` post-RoPE queries (at `probe_queries` evenly
 spaced positions), keys and values of the first `probe_samples` samples, on which clip thresholds are
 searched by the real attention error.
+
+The hooks add into per-layer buffers on the device where each layer runs (so a model sharded over
+several GPUs accumulates beside its layers); `pending()` hands them over as one [L, ...] tensor per
+accumulator and `add()` folds such sums (one process's, or several processes' after an all-reduce) into
+the totals on `device`. Reading `acc` or `probes` folds in whatever is pending first.
 """
 
 from contextlib import contextmanager
@@ -28,7 +33,7 @@ class AttentionStatistics:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.probe_samples, self.probe_tokens, self.probe_queries = probe_samples, probe_tokens, probe_queries
         f64 = dict(dtype=torch.float64, device=device)
-        self.acc = {
+        self._acc = {
             "query_cov": torch.zeros(L, H, d, d, **f64),
             "output_cov": torch.zeros(L, H, d, d, **f64),
             "key_cov": torch.zeros(L, H, d, d, **f64),
@@ -39,11 +44,61 @@ class AttentionStatistics:
             "kv_rows": torch.zeros(L, dtype=torch.int64, device=device),
             "scaling": torch.zeros(L, **f64),
         }
-        self.probes: dict[str, torch.Tensor] = {}
+        self._probes: dict[str, torch.Tensor] = {}
+        self._pending: dict[int, dict] = {}                    # layer → sums on the layer's device
+        self._pending_probes: list[tuple[int, int, dict]] = []  # (layer, first sample, probe tensors)
+        self.first_sample: int | None = None  # global index of the batch's first sample (None: count from 0)
 
     @property
     def num_layers(self) -> int:
-        return self.acc["query_rows"].shape[0]
+        return self._acc["query_rows"].shape[0]
+
+    @property
+    def acc(self) -> dict[str, torch.Tensor]:
+        """The totals, [L, ...] per accumulator (pending sums folded in)."""
+        self.flush()
+        return self._acc
+
+    @acc.setter
+    def acc(self, value: dict[str, torch.Tensor]) -> None:
+        self._acc = value
+
+    @property
+    def probes(self) -> dict[str, torch.Tensor]:
+        self.flush()
+        return self._probes
+
+    @probes.setter
+    def probes(self, value: dict[str, torch.Tensor]) -> None:
+        self._probes = value
+
+    def pending(self) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, dict]]]:
+        """What the hooks gathered since the last call: sums as [L, ...] tensors on `device` (zero where a
+        layer saw nothing; scaling zero there) and the new probe rows; the buffers start again empty."""
+        sums = {name: torch.zeros_like(x) for name, x in self._acc.items()}
+        for layer, buffers in self._pending.items():
+            for name, x in buffers.items():
+                sums[name][layer] = x
+        rows, self._pending, self._pending_probes = self._pending_probes, {}, []
+        return sums, rows
+
+    def add(self, sums: dict[str, torch.Tensor], probe_rows=()) -> None:
+        """Fold sums (as `pending()` gives them) and probe rows into the totals; probe rows go in sample order."""
+        for name, x in sums.items():
+            x = x.to(self._acc[name].device)
+            if name == "scaling":
+                self._acc[name] = torch.where(x != 0, x, self._acc[name])
+            else:
+                self._acc[name] += x
+        for layer, _, new in sorted(probe_rows, key=lambda row: row[:2]):
+            for name, x in new.items():
+                full = f"layers.{layer}.{name}"
+                keep = name == "probe_positions" or full not in self._probes
+                self._probes[full] = x if keep else torch.cat([self._probes[full], x])
+
+    def flush(self) -> None:
+        if self._pending or self._pending_probes:
+            self.add(*self.pending())
 
     def _by_kv_head(self, x: torch.Tensor) -> torch.Tensor:
         """[B, heads, T, d] → [kv_heads, rows, d] in float64, query heads grouped under their KV head."""
@@ -54,37 +109,37 @@ class AttentionStatistics:
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 output: torch.Tensor, scaling: float) -> None:
         """query [B, H, T, d], key/value [B, KVH, T, d], output [B, T, H, d] (as the attention interface has them)."""
-        acc = self.acc
         q, o = self._by_kv_head(query), self._by_kv_head(output.transpose(1, 2))
         k, v = self._by_kv_head(key), self._by_kv_head(value)
-        acc["query_cov"][layer] += (q.mT @ q)
-        acc["output_cov"][layer] += (o.mT @ o)
-        acc["key_cov"][layer] += (k.mT @ k)
-        acc["value_cov"][layer] += (v.mT @ v)
-        acc["key_sum"][layer] += k.sum(1)
-        acc["value_sum"][layer] += v.sum(1)
-        acc["query_rows"][layer] += q.shape[1]
-        acc["kv_rows"][layer] += k.shape[1]
-        acc["scaling"][layer] = scaling
+        new = {"query_cov": q.mT @ q, "output_cov": o.mT @ o, "key_cov": k.mT @ k, "value_cov": v.mT @ v,
+               "key_sum": k.sum(1), "value_sum": v.sum(1), "query_rows": q.shape[1], "kv_rows": k.shape[1]}
+        buffers = self._pending.get(layer)
+        if buffers is None:
+            self._pending[layer] = buffers = new
+        else:
+            for name, x in new.items():
+                buffers[name] += x
+        buffers["scaling"] = scaling
         self._probe(layer, query, key, value)
 
+    def _probe_rows(self, layer: int) -> int:
+        have = self._probes.get(f"layers.{layer}.probe_key")
+        return (0 if have is None else have.shape[0]) + sum(
+            new["probe_key"].shape[0] for row_layer, _, new in self._pending_probes if row_layer == layer)
+
     def _probe(self, layer: int, query, key, value) -> None:
-        have = self.probes.get(f"layers.{layer}.probe_key")
-        taken = 0 if have is None else have.shape[0]
-        take = min(self.probe_samples - taken, query.shape[0])
+        first = self.first_sample if self.first_sample is not None else self._probe_rows(layer)
+        take = min(self.probe_samples - first, query.shape[0])
         if take <= 0:
             return
         t = min(self.probe_tokens, key.shape[2])
         positions = torch.linspace(0, t - 1, min(self.probe_queries, t)).round().long().unique()
-        new = {
+        self._pending_probes.append((layer, first, {
             "probe_query": query[:take, :, positions].float().cpu(),
             "probe_key": key[:take, :, :t].float().cpu(),
             "probe_value": value[:take, :, :t].float().cpu(),
-        }
-        for name, x in new.items():
-            full = f"layers.{layer}.{name}"
-            self.probes[full] = x if full not in self.probes else torch.cat([self.probes[full], x])
-        self.probes[f"layers.{layer}.probe_positions"] = positions
+            "probe_positions": positions,
+        }))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: x.cpu().contiguous() for name, x in {**self.acc, **self.probes}.items()}
@@ -93,8 +148,8 @@ class AttentionStatistics:
     def from_state_dict(cls, state: dict[str, torch.Tensor], num_heads: int, device="cpu") -> "AttentionStatistics":
         L, H, d, _ = state["query_cov"].shape
         stats = cls(L, num_heads, H, d, device=device)
-        stats.acc = {k: state[k].to(v.device, copy=True) for k, v in stats.acc.items()}
-        stats.probes = {k: v.clone() for k, v in state.items() if ".probe_" in k}
+        stats._acc = {k: state[k].to(v.device, copy=True) for k, v in stats._acc.items()}
+        stats._probes = {k: v.clone() for k, v in state.items() if ".probe_" in k}
         return stats
 
     def non_finite(self) -> str | None:

@@ -41,9 +41,10 @@ class Recipe(BaseModel):
     batch_size: int = Field(1, gt=0)
     device: str | None = None
     dtype: str | None = None
+    gpus: int = Field(1, gt=0, description="data-parallel calibration processes, one per GPU (torchrun)")
 
     def calibration_fields(self) -> dict:
-        return self.model_dump(exclude={"name", "version"})
+        return self.model_dump(exclude={"name", "version", "gpus"})
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ def missing_requirements(recipe: Recipe) -> list[str]:
     missing = []
     if (recipe.device or "").startswith("cuda") and not torch.cuda.is_available():
         missing.append("no CUDA GPU")
+    elif (recipe.device or "").startswith("cuda") and torch.cuda.device_count() < recipe.gpus:
+        missing.append(f"{recipe.gpus} GPUs needed, {torch.cuda.device_count()} here")
     try:
         target, _, weights = resolve(recipe.model)
     except OscarError as e:
@@ -138,10 +141,15 @@ def build_one(recipe: Recipe, zoo_root: Path, manifests_root: Path, work_dir: Pa
               on_progress: Callable[[int, int, float], None] | None = None) -> Path:
     """Calibrate, export the bundle into zoo_root and copy its manifest into manifests_root."""
     from oscar_core.calibration import CalibrationRequest, calibrate
+    from oscar_core.distributed import launch_calibration
     from oscar_core.export import export_bundle
 
     calib_dir = Path(work_dir) / recipe.name.replace("/", "--")
-    calibrate(CalibrationRequest(**recipe.calibration_fields()), calib_dir, on_progress=on_progress)
+    request = CalibrationRequest(**recipe.calibration_fields())
+    if recipe.gpus > 1:
+        launch_calibration(request, calib_dir, recipe.gpus)
+    else:
+        calibrate(request, calib_dir, on_progress=on_progress)
     path, _ = export_bundle(calib_dir, zoo_root, recipe.version, name=recipe.name)
     atomic_write_bytes(manifest_copy_path(manifests_root, recipe.name, recipe.version),
                        (path / MANIFEST_FILE).read_bytes())

@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from oscar_cli.ui import console, progress
+from oscar_core import distributed
 from oscar_core.calibration import CalibrationRequest, calibrate as run_calibration
 
 EXAMPLES = """
@@ -18,6 +19,12 @@ Examples:
   oscar calibrate ./my-model --data corpus/ --out runs/mine            # local directory, folder of .txt/.jsonl/.parquet
 
   oscar calibrate model.Q8_0.gguf --data notes.jsonl --text-field body --out runs/gguf
+
+  oscar calibrate Qwen/Qwen3-32B --gpus 2 --samples 256 --seq-len 4096 --checkpoint-every 300 --out runs/qwen3-32b   # 2 GPUs, data parallel
+
+  oscar calibrate ./llama-70b --shard --out runs/llama-70b             # one model spread over all GPUs of this host
+
+  torchrun --nproc-per-node 4 -m oscar_cli calibrate Qwen/Qwen3-8B --out runs/qwen3-8b   # the same, started by torchrun
 """
 
 
@@ -33,10 +40,20 @@ def calibrate(
     seed: Annotated[int, typer.Option(help="Seed for drawing the samples.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda; default: cuda when available.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: float32 on CPU, bfloat16 on CUDA.")] = None,
+    gpus: Annotated[int, typer.Option(help="Data-parallel processes, one per GPU, started with torchrun (with --device cpu: CPU processes).")] = 1,
+    shard: Annotated[bool, typer.Option(help="Spread the model over the GPUs (accelerate device map) for models larger than one GPU; with --gpus N each process takes 1/N of them.")] = False,
+    checkpoint_every: Annotated[float, typer.Option(help="Seconds between rewrites of the statistics (0: after every batch); the last batch is always written.")] = 0.0,
 ) -> None:
     """Stream calibration text through MODEL and gather per-layer, per-KV-head attention statistics."""
     req = CalibrationRequest(model=model, data=data, split=split, text_field=text_field, samples=samples,
-                             seq_len=seq_len, batch_size=batch_size, seed=seed, device=device, dtype=dtype)
+                             seq_len=seq_len, batch_size=batch_size, seed=seed, device=device, dtype=dtype,
+                             shard=shard, checkpoint_s=checkpoint_every)
+    if gpus > 1 and distributed.from_env().world == 1:
+        distributed.launch_calibration(req, out, gpus)  # rank 0 of the processes it starts draws the progress
+        return
+    if not distributed.is_first_process():
+        run_calibration(req, out)
+        return
     with progress() as bar:
         task = bar.add_task("loading model and data", total=samples, rate="")
 

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from oscar_cli.ui import console, progress
 from oscar_core.derive import DeriveOptions
-from oscar_core.export import export_bundle
+from oscar_core.export import default_workers, export_bundle
 
 EXAMPLES = """
 Examples:
@@ -34,6 +34,7 @@ def export(
     key_clip_objective: Annotated[str, typer.Option(help="Key clip search objective: logit (Σ e C_Q eᵀ), output, kl or weighted-logit (attention-aware, on the probe).")] = DeriveOptions.key_clip_objective,
     key_clip_floor: Annotated[float, typer.Option(help="Smallest key clip ratio the search may pick.")] = DeriveOptions.key_clip_floor,
     eigenvalues: Annotated[bool, typer.Option(help="Also store the eigenvalues of C_Q and C_S (what `oscar upstream export` needs without the calibration directory).")] = False,
+    workers: Annotated[Optional[int], typer.Option(help="Processes deriving layers at once (each single-threaded: the bytes do not depend on it); default: one per CPU core.")] = None,
 ) -> None:
     """Compute R_K = U_Q·H·P_br, R_V = U_S·H·P_br and calibrated clip thresholds; write a rotation bundle."""
     opts = DeriveOptions(key_rotation=key_rotation, value_rotation=value_rotation, key_centering=key_centering,
@@ -42,8 +43,8 @@ def export(
     with progress() as bar:
         task = bar.add_task("deriving rotations", total=None, rate="layers")
         path, manifest = export_bundle(calib_dir, out, version=version, name=name, opts=opts,
-                                       on_layer=lambda done, total: bar.update(task, completed=done, total=total),
-                                       with_eigenvalues=eigenvalues)
+                                       workers=workers or default_workers(), with_eigenvalues=eigenvalues,
+                                       on_layer=lambda done, total: bar.update(task, completed=done, total=total))
     q = manifest.quant
     table = Table(title=f"{manifest.name} {manifest.version}")
     table.add_column("what")
