@@ -397,7 +397,7 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     bf16 = num_layers * 2 * kv_heads * context * head_dim * 2
     out = dict(bytes_per_token=store(1, sink_tokens + recent_tokens + 2) - store(1, sink_tokens + recent_tokens + 1),
                bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
-               bits_per_element=8 * per_seq / (num_layers * 2 * kv_heads * context * head_dim))
+               bits_per_element=round(8 * per_seq / (num_layers * 2 * kv_heads * context * head_dim), 4))
     if budget_bytes is not None:
         out |= dict(max_batch=budget_bytes // per_seq, bf16_max_batch=budget_bytes // bf16)
     return out

@@ -23,7 +23,7 @@ from oscar_core.cache import OscarCache, oscar_attention
 
 
 class GreedyDecoder:
-    """Prefill on entry, then decode steps one at a time: step() eagerly, or replay() of the graph that
+    """Prefill on entry (after whatever the cache already holds), then decode steps one at a time: step() eagerly, or replay() of the graph that
     capture() records. tokens [B, max_new_tokens] holds the greedy tokens, `produced` how many so far.
 
         with GreedyDecoder(model, cache, ids, mask, max_new_tokens=64) as dec:
@@ -47,21 +47,23 @@ class GreedyDecoder:
         bsz, n = ids.shape
         dev = ids.device
         self.stack.enter_context(torch.inference_mode())
+        past = int(cache.get_seq_length())           # tokens already cached (setup: a read-back is fine)
         if self.oscar:
-            cache.reserve(n + self.max_new_tokens)
+            cache.reserve(past + n + self.max_new_tokens)
             self.stack.enter_context(oscar_attention(model, cache))
         mask = self.attention_mask
-        position = (torch.arange(n, device=dev).expand(bsz, n) if mask is None
+        position = (torch.arange(past, past + n, device=dev).expand(bsz, n) if mask is None
                     else (mask.long().cumsum(-1) - 1).clamp_min(0))
+        self.extra, prefill = {}, {}
+        if "cache_position" in inspect.signature(model.forward).parameters:   # older transformers
+            prefill["cache_position"] = torch.arange(past, past + n, device=dev)
+            self.extra["cache_position"] = torch.arange(past + n, past + n + 1, device=dev)
         logits = model(ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1).logits[:, -1]
+                       logits_to_keep=1, **prefill).logits[:, -1]
         self.ids = logits.argmax(-1, keepdim=True)
         self.tokens = torch.zeros(bsz, self.max_new_tokens, dtype=torch.long, device=dev)
         self.tokens[:, :1] = self.ids
         self.position = position[:, -1:] + 1
-        self.extra = {}
-        if "cache_position" in inspect.signature(model.forward).parameters:
-            self.extra["cache_position"] = torch.arange(n, n + 1, device=dev)
         self.index = torch.ones(1, dtype=torch.long, device=dev)
         self.produced = 1
         return self

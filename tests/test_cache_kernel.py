@@ -150,6 +150,27 @@ def test_greedy_decoder_eager_matches_generate():
     assert torch.equal(got, want) and cache.get_seq_length() == 35
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_replay_equals_eager_steps():
+    """greedy_generate's CUDA-graph replays give the tokens of the same steps run eagerly (the same
+    launch plan: the kernel planned from the capacity in both), for a left-padded batch too."""
+    from oscar_core.decode_graph import greedy_generate
+
+    model = tiny_llama().bfloat16()
+    bundle = random_bundle(4, 16)
+    ids = torch.randint(0, 256, (3, 50), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[2, :20] = 0
+    out = []
+    for graph in (False, True):
+        cache = make_cache("oscar", bundle, None)
+        if not graph:
+            cache.sequences.static = True
+        out.append(greedy_generate(model, cache, ids, mask, max_new_tokens=12, graph=graph))
+        assert cache.get_seq_length() == 50 + 11 and cache.layers[0].store.lengths.tolist() == [61, 61, 41]
+    assert torch.equal(out[0], out[1])
+
+
 def test_kernel_reads_fall_back():
     model = tiny_llama()
     cache = OscarCache(None, "kivi", num_layers=LAYERS, sink_tokens=4, recent_tokens=16, kernel_reads=True)
