@@ -219,7 +219,7 @@ def prepare_rotation(rotation: torch.Tensor, mean: torch.Tensor | None = None):
 
 
 def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, group_size: int = 64,
-               mean: torch.Tensor | None = None, out=None, block_t: int = 64, waves: int = 4):
+               mean: torch.Tensor | None = None, out=None, block_t: int = 128, waves: int = 4):
     """Triton kvstore.write_int2: x [tokens, H_kv, d] -> (codes uint8 [tokens, H_kv, d/4],
     scale codes uint8 [tokens, H_kv, d/G], zero codes int8 [tokens, H_kv, d/G]).
 
