@@ -109,16 +109,21 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, **k
     return out.transpose(1, 2), None
 
 
-def time_decode(model, cache, arm: str, batch: int, steps: int, warmup: int = 2) -> dict:
-    """Mean ms per decode step over `steps` steps after warm-up (CUDA events around all of them)."""
+def attention_for(arm: str, model):
+    """bf16-flash routes attention to flash_attention (the name avoids "flash": transformers reads that
+    as a hub kernel); every other arm keeps the model's sdpa (OscarCache's arms route inside GreedyDecoder)."""
     from contextlib import nullcontext
 
     from oscar_core.statistics import route_attention
 
+    return route_attention(model, "bench_gqa_sdpa", flash_attention) if arm == "bf16-flash" else nullcontext()
+
+
+def time_decode(model, cache, arm: str, batch: int, steps: int, warmup: int = 2) -> dict:
+    """Mean ms per decode step over `steps` steps after warm-up (CUDA events around all of them)."""
     ids = torch.full((batch, 1), 11, dtype=torch.long, device="cuda")
     graph = arm.endswith("graph") or arm in ("bf16-static", "bf16-flash")
-    routed = route_attention(model, "bench_flash", flash_attention) if arm == "bf16-flash" else nullcontext()
-    with routed, GreedyDecoder(model, cache, ids, max_new_tokens=steps + warmup + 4) as dec:
+    with attention_for(arm, model), GreedyDecoder(model, cache, ids, max_new_tokens=steps + warmup + 4) as dec:
         if graph:
             dec.capture(warmup)
         else:
@@ -183,6 +188,8 @@ def time_prefill(model, bundle, arm: str, context: int, batch: int = 1) -> dict:
                        peak_gib=torch.cuda.max_memory_allocated() / GIB)
             del cache
     print(json.dumps(out), flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
     return out
 
 
@@ -234,7 +241,7 @@ def profile_step(model, bundle, arm: str, batch: int = 1, context: int = 4096) -
 
     cache = make_cache(arm, model, bundle, batch, context, 16)
     ids = torch.full((batch, 1), 11, dtype=torch.long, device="cuda")
-    with GreedyDecoder(model, cache, ids, max_new_tokens=8) as dec:
+    with attention_for(arm, model), GreedyDecoder(model, cache, ids, max_new_tokens=8) as dec:
         dec.step()
         dec.step()
         torch.cuda.synchronize()
@@ -257,10 +264,14 @@ def profile_step(model, bundle, arm: str, batch: int = 1, context: int = 4096) -
                item_calls=count("aten::_local_scalar_dense"),
                launches=count("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     out["top_cpu_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    out["top_cuda_ops"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12)
+    print(out["top_cuda_ops"], flush=True)
     out["step_cpu_ms"] = (step.end - step.start) / 1e3
     print(json.dumps({k: v for k, v in out.items() if k != "top_cpu_ops"}), flush=True)
     print(out["top_cpu_ops"], flush=True)
-    del cache
+    del cache, dec, prof
+    gc.collect()
+    torch.cuda.empty_cache()
     return out
 
 
@@ -289,8 +300,13 @@ def main():
     res["versions"] = f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
     print(json.dumps(res), flush=True)
     res["profile"] = [profile_step(model, bundle, a) for a in ("bf16-dynamic", "int2-eager")]
+    res["profile"] += [profile_step(model, bundle, a, 4, 102400) for a in ("bf16-flash", "int2-eager")]
     bw = copy_bandwidth()
     res["write"] = bench_write_kernels(bw)
+    res["prefill"] = []
+    for context in map(int, args.prefill.split(",")):
+        for arm in ("bf16-dynamic", "int2-eager"):
+            res["prefill"].append(time_prefill(model, bundle, arm, context))
     res["points"] = []
     for point in args.points.split(","):
         context, batch = map(int, point.split("x"))
@@ -311,10 +327,6 @@ def main():
             continue
         res["points"].append(run_point(model, bundle, arm, batch, args.max_batch_context, max(4, args.steps // 2)) |
                              dict(max_batch=True))
-    res["prefill"] = []
-    for context in map(int, args.prefill.split(",")):
-        for arm in ("bf16-dynamic", "int2-eager"):
-            res["prefill"].append(time_prefill(model, bundle, arm, context))
     for row in res["points"]:
         row.pop("tokens", None)
     if args.json:

@@ -486,3 +486,7 @@ def oscar_attention(model, cache: OscarCache):
     finally:
         for layer in cache.layers:
             layer.kernel_reads = layer.deferred = False
+        # The registries are global: leave nothing there that keeps this cache (and its memory) alive.
+        from transformers import AttentionInterface
+        AttentionInterface.register(ATTENTION_NAME, sdpa_attention_forward)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
