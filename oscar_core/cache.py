@@ -132,7 +132,7 @@ class OscarLayer(DynamicLayer):
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.sink_tokens, self.recent_tokens = sink, recent
         self.sequences = sequences or Sequences()
-        self.kernel_writes_opt = kernel_writes
+        self.kernel_writes = kernel_writes    # None: on CUDA
         self.key_store = self.value_store = None    # SideStore mode (bf16, kivi)
         self.store: kvstore.Int2KVCache | None = None
         self.seen = 0
@@ -173,9 +173,9 @@ class OscarLayer(DynamicLayer):
         self.rotation = kvstore.LayerRotation(rk, rv, ck, cv, mk, mv)
         self.group_sizes = (lm.key.group_size, lm.value.group_size)
         self.shape = (kv_heads, head_dim)
-        use = self.kernel_writes_opt if self.kernel_writes_opt is not None else dev.type == "cuda"
+        use = self.kernel_writes if self.kernel_writes is not None else dev.type == "cuda"
         write = _triton_write() if use and write_problem(lm, head_dim) is None else None
-        self.write = write
+        self.write = write        # the Triton write module, or None: kvstore's torch reference
         if write is not None:
             self.split = (write.prepare_rotation(rk, mk), write.prepare_rotation(rv, mv))
 
@@ -188,12 +188,10 @@ class OscarLayer(DynamicLayer):
                                   device=self.device)
         new.lengths = self.sequences.lengths
         if self.store is not None:
-            rows = self.store.key_codes.shape[2]
             for f in dataclasses.fields(kvstore.Int2KVCache):
                 old = getattr(self.store, f.name)
                 if isinstance(old, torch.Tensor) and f.name != "lengths":
-                    getattr(new, f.name)[:, :, :old.shape[2]] = old if "sink" in f.name or "recent" in f.name \
-                        else old[:, :, :rows]
+                    getattr(new, f.name)[:, :, :old.shape[2]] = old
         self.store = new
 
     def commit(self, key_states: torch.Tensor, value_states: torch.Tensor, starts: torch.Tensor | None) -> None:

@@ -140,7 +140,7 @@ def test_generate_with_oscar_cache_answers_like_bf16(default_model):
     assert ids.shape[1] > 24
     answers = {}
     for method in ("bf16", "oscar"):
-        cache = OscarCache(bundle, method, sink_tokens=4, recent_tokens=16)
+        cache = OscarCache(bundle, method, sink_tokens=4, recent_tokens=16, capacity=ids.shape[1] + 8)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
                              do_sample=False, pad_token_id=tok.eos_token_id)
         answers[method] = out[0, ids.shape[1]:]
@@ -150,3 +150,22 @@ def test_generate_with_oscar_cache_answers_like_bf16(default_model):
     assert "Paris" in tok.decode(answers["bf16"])
     assert "Paris" in tok.decode(answers["oscar"])
     assert torch.equal(answers["oscar"][:3], answers["bf16"][:3])
+
+
+def test_int2_store_decodes_as_the_simulation():
+    """Token-by-token decode through the int2 store (identity rotation: its BF16 ring holds the tokens' BF16
+    copies, from which leaving tokens are quantized) reads what simulate.simulated_attention gives each position."""
+    from oscar_core.simulate import simulated_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 6, 60, 64, generator=g), torch.randn(1, 3, 60, 64, generator=g), torch.randn(1, 3, 60, 64,
+                                                                                                          generator=g)
+    layer = OscarLayer("int2", 0, None, sink=4, recent=16)
+    outs = []
+    for p in range(60):
+        kp, vp = layer.update(k[:, :, p:p + 1], v[:, :, p:p + 1])
+        probs = torch.softmax(0.125 * q[:, :, p:p + 1] @ kp.repeat_interleave(2, 1).mT, -1)
+        outs.append(probs @ vp.repeat_interleave(2, 1))
+    assert layer.store is not None
+    lm = methods.layer_method("int2", 0, 3, 64)
+    assert torch.allclose(torch.cat(outs, 2), simulated_attention(q, k, v, lm, 0.125, 4, 16, 16), atol=1e-4)
