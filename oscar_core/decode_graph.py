@@ -20,6 +20,7 @@ from contextlib import ExitStack
 import torch
 
 from oscar_core.cache import OscarCache, oscar_attention
+from oscar_core.errors import OscarError
 
 
 class GreedyDecoder:
@@ -31,8 +32,9 @@ class GreedyDecoder:
             while dec.produced < 64:
                 dec.replay()
 
-    attention_mask: [B, n] with left padding (or None). A padded batch needs a cache that reads every
-    decode step by kernel (an OscarCache on CUDA): the decode steps pass no attention mask."""
+    attention_mask: [B, n] with left padding (or None), for a prompt on an empty cache. Decode steps pass
+    no mask when the cache reads every step by kernel (an OscarCache on CUDA: it knows each sequence's
+    length), else the mask grown by one column per step, which only eager steps can do."""
 
     def __init__(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 32):
@@ -66,6 +68,8 @@ class GreedyDecoder:
         self.position = position[:, -1:] + 1
         self.index = torch.ones(1, dtype=torch.long, device=dev)
         self.produced = 1
+        by_kernel = self.oscar and cache.reads_by_kernel()
+        self.mask = None if mask is None or by_kernel or bool(mask.all()) else mask
         return self
 
     def __exit__(self, *exc):
@@ -74,8 +78,10 @@ class GreedyDecoder:
         self.stack.close()
 
     def _step(self):
-        out = self.model(self.ids, position_ids=self.position, past_key_values=self.cache, use_cache=True,
-                         **self.extra).logits[:, -1]
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        out = self.model(self.ids, attention_mask=self.mask, position_ids=self.position, past_key_values=self.cache,
+                         use_cache=True, **self.extra).logits[:, -1]
         self.ids.copy_(out.argmax(-1, keepdim=True))
         self.tokens.index_copy_(1, self.index, self.ids)
         for t in (self.position, self.index, *self.extra.values()):
@@ -88,6 +94,9 @@ class GreedyDecoder:
 
     def capture(self, warmup: int = 2) -> None:
         """`warmup` eager steps on a side stream (Triton compiles there), then one step captured, not run."""
+        if self.mask is not None:
+            raise OscarError("a padded batch decodes in a CUDA graph only through an OscarCache read by kernel "
+                             "(on CUDA, inside oscar_attention)")
         if self.oscar:
             self.cache.sequences.static = True
         side = torch.cuda.Stream()

@@ -143,11 +143,14 @@ def test_greedy_decoder_eager_matches_generate():
 
     model = tiny_llama()
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    want = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=make_cache("int2", None, False),
-                          max_new_tokens=6, do_sample=False, pad_token_id=0)[:, 30:]
-    cache = make_cache("int2", None, False)
-    got = greedy_generate(model, cache, ids, max_new_tokens=6, graph=False)
-    assert torch.equal(got, want) and cache.get_seq_length() == 35
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0                                   # left padding: torch reads need the grown mask each step
+    for m in (None, mask):
+        want = model.generate(ids, attention_mask=torch.ones_like(ids) if m is None else m, max_new_tokens=6,
+                              past_key_values=make_cache("int2", None, False), do_sample=False, pad_token_id=0)
+        cache = make_cache("int2", None, False)
+        got = greedy_generate(model, cache, ids, m, max_new_tokens=6, graph=False)
+        assert torch.equal(got, want[:, 30:]) and cache.get_seq_length() == 35
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
