@@ -72,7 +72,7 @@ def main():
     _, bf16_logits, _ = greedy(model, ids, cache("bf16", False), n, forced=torch_tokens)
     layer = forced_cache.layers[0]
     assert layer.kernel_problem is None, layer.kernel_problem
-    int2_rows = layer.key_store.n_int2
+    int2_rows = layer.int2_tokens()
 
     same = int((kernel_tokens == torch_tokens).all())
     first_diff = next((i for i in range(n) if kernel_tokens[i] != torch_tokens[i]), None)

@@ -1,37 +1,40 @@
 """OscarCache: a transformers Cache whose keys and values are stored INT2 (or BF16) by a method of methods.py.
 
-Per layer and side (keys, values) of B sequences, H_kv heads, head_dim d, L tokens:
-    sink    bf16 [B, H_kv, min(L, S), d]           positions [0, S)
-    int2    the packed codes of methods.encode     positions [S, S + n), n a multiple of the token block
-    recent  bf16 [B, H_kv, L − S − n, d]           positions [S + n, L)
-After every write, blocks of the recent tokens move to INT2 (quantized from their BF16 copy) while
-the whole block lies outside the last `recent` tokens: INT2 iff t ≥ S and last(t) ≤ L − 1 − W
-(methods.int2_mask), so a decoded token at p reads exactly tokens t ∈ [0, S) ∪ (p − W, p] in BF16.
+Token-group methods (int2, hadamard, oscar) keep each layer in one preallocated kvstore.Int2KVCache
+(its docstring gives the byte layout): B sequences, capacity C tokens each, the first S tokens and a
+ring of the last W in BF16, rotated and centred ((x − μ)·R), the tokens between them as INT2 rows.
+Every write is in place: a new token goes to the sink or its ring slot, and the token it pushes out
+of the ring (already rotated) is quantized into its INT2 row; nothing already stored is ever copied,
+except once per growth of the capacity (by half, when no `capacity` was given). The per-sequence
+lengths are one device int32 tensor shared by every layer; the host keeps its own count (`seen`,
+pads included) so a decode step reads nothing back from the device.
+On CUDA a write is one Triton launch per layer (triton.write.append_kv: K and V, the whole batch),
+elsewhere the torch reference (kvstore.append). bf16 and kivi (per-channel key groups) keep the
+SideStore below: sink, INT2 blocks and recent tokens as growing tensors, read in torch.
 
 update() follows the serving convention: a single decoded token is written first and then attends to
-what the store holds (INT2 dequantized, back in original space); the tokens of a multi-token update
-(prefill, or a prefill chunk) attend to the stored past plus themselves as computed (in flight).
-INT2 writes use the Triton write kernel (oscar_core/triton/write.py) on CUDA for per-token groups,
-and the torch reference (quant.quantize, as oscar_core/kvstore.py) elsewhere.
+what the store holds; the tokens of a multi-token update (prefill, or a prefill chunk) attend to the
+stored past plus themselves as computed (in flight).
 
-Reads: in torch (the whole store dequantized into [B, H_kv, L, d]), except single-token decode steps
-inside `with oscar_attention(model, cache):` when the cache reads by kernel (on CUDA, or kernel_reads=True):
-update() then only writes, and the attention function runs the Triton decode kernel
-(oscar_core/triton/decode.py) on the layer's store seen as a kvstore.Int2KVCache: the INT2 codes, scales
-and zero codes as they are (no copy), the BF16 sink and recent windows rotated and centred into padded
-buffers (at most S + W tokens per step). Prefill keeps exact sdpa attention. A layer the kernel cannot
-read (a side in BF16 or per-channel groups, head_dim or group sizes not multiples of 64) reads in torch.
-Memory is measured: nbytes() sums the storage of every tensor the cache holds.
+Reads. Torch: the store dequantized back to original space, [B, H_kv, L, d], each sequence's tokens
+right-aligned (so a left-padded batch lines up with its attention mask). Kernel: inside
+`with oscar_attention(model, cache):` (on CUDA, or kernel_reads=True) a single-token step only writes,
+and the attention function runs triton.decode.decode_attention on the store as it is. There, the
+prefill's write waits for the attention function, which sees the attention mask: a sequence's
+leading pads are skipped, so its store starts at its first real token and ragged batches decode by
+kernel with per-sequence lengths. A step that reads by kernel does no host synchronisation and no
+host-to-device copy (bundle tensors are moved to the device once, on the first update), so it can be
+captured in a CUDA graph (oscar_core.decode_graph).
 """
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from oscar_core import methods
+from oscar_core import kvstore, methods
 from oscar_core.errors import OscarError
-from oscar_core.kvstore import Int2KVCache
 from oscar_core.statistics import route_attention
 
 ATTENTION_NAME = "oscar_cache"
@@ -39,14 +42,14 @@ ATTENTION_NAME = "oscar_cache"
 
 def _triton_write():
     try:
-        from oscar_core.triton.write import write_int2
+        from oscar_core.triton import write
     except Exception:  # no triton, or no GPU build of it
         return None
-    return write_int2
+    return write
 
 
 class SideStore:
-    """Sink, INT2 and recent storage of one side of one layer (see the module docstring)."""
+    """Sink, INT2 and recent storage of one side of one layer, as growing tensors (bf16 and kivi)."""
 
     def __init__(self, side: methods.Side | None, sink: int, recent: int):
         self.side, self.sink_tokens, self.recent_tokens = side, sink, recent
@@ -70,24 +73,11 @@ class SideStore:
         b = self.side.token_block
         move = max(self.recent.shape[2] - self.recent_tokens, 0) // b * b
         if move:
-            stored = self._encode(self.recent[:, :, :move])
+            stored = methods.encode(self.side, self.recent[:, :, :move])
             self.int2 = stored if self.int2 is None else {
                 k: torch.cat([self.int2[k], v], dim=2) for k, v in stored.items()}
             self.recent = self.recent[:, :, move:].clone()
             self.n_int2 += move
-
-    def _encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        side = self.side
-        write = _triton_write() if x.is_cuda and side.axis == "token" else None
-        if write is None:
-            return methods.encode(side, x)
-        heads, d = x.shape[1], x.shape[-1]
-        rot = side.rotation if side.rotation is not None else torch.eye(d, device=x.device).expand(heads, d, d)
-        clip = side.clip if isinstance(side.clip, torch.Tensor) else torch.full((heads,), float(side.clip))
-        parts = [write(xb.transpose(0, 1), rot.to(x.device), clip.to(x.device), side.group_size,
-                       None if side.mean is None else side.mean.to(x.device)) for xb in x]
-        return {name: torch.stack([p[i].transpose(0, 1) for p in parts]).contiguous()
-                for i, name in enumerate(("codes", "scale", "zero"))}
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """All L tokens in position order, original space, [B, H_kv, L, d] in dtype."""
@@ -97,21 +87,6 @@ class SideStore:
         parts.append(self.recent.to(dtype))
         return torch.cat(parts, dim=2)
 
-    def kernel_parts(self) -> dict[str, torch.Tensor]:
-        """This side as the kvstore.Int2KVCache fields `sink`, `recent`, `codes`, `scale`, `zero`: windows
-        rotated and centred, padded to S and W rows; the INT2 tensors themselves (one zero row if none)."""
-        b, h, _, d = self.sink.shape
-        out = {}
-        for name, x, rows in (("sink", self.sink, self.sink_tokens), ("recent", self.recent, self.recent_tokens)):
-            out[name] = torch.zeros(b, h, rows, d, dtype=torch.bfloat16, device=x.device)
-            out[name][:, :, :x.shape[2]] = methods.rotate(self.side, x)
-        if self.int2 is not None:
-            return out | self.int2
-        g = self.side.group_size
-        return out | {"codes": self.sink.new_zeros(b, h, 1, d // 4, dtype=torch.uint8),
-                      "scale": self.sink.new_zeros(b, h, 1, d // g, dtype=torch.uint8),
-                      "zero": self.sink.new_zeros(b, h, 1, d // g, dtype=torch.int8)}
-
     def length(self) -> int:
         return 0 if self.sink is None else self.sink.shape[2] + self.n_int2 + self.recent.shape[2]
 
@@ -120,14 +95,48 @@ class SideStore:
         return out + (list(self.int2.values()) if self.int2 is not None else [])
 
 
-class OscarLayer(DynamicLayer):
-    """One layer of an OscarCache; the Sides are made on the first update, from the shapes it sees."""
+class Sequences:
+    """What every layer's store shares: per-sequence lengths (device int32 [B]), the last advance's
+    counts, and the host's own figures: tokens seen per sequence (pads included, an upper bound of
+    every length) and the capacity every store is grown to."""
 
-    def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256):
+    def __init__(self, capacity: int | None = None):
+        self.lengths = self.counts = None
+        self.seen, self.capacity = 0, capacity or 0
+        self.static = False     # decode_graph: the kernel's launch grid from the capacity, not from `seen`
+
+    def advance(self, batch: int, tokens: int, starts: torch.Tensor | None, device) -> None:
+        if self.lengths is None:
+            self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        if starts is None:
+            self.lengths += tokens
+            self.counts = None
+        else:
+            self.counts = tokens - starts
+            self.lengths += self.counts
+        self.seen += tokens
+        if self.seen > self.capacity:
+            grown = self.seen if self.capacity == 0 else max(self.seen, self.capacity * 3 // 2)
+            self.capacity = -(-grown // 256) * 256
+
+    def max_length(self) -> int:
+        return self.capacity if self.static else self.seen
+
+
+class OscarLayer(DynamicLayer):
+    """One layer of an OscarCache; its stores are made on the first update, from the shapes it sees."""
+
+    def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
+                 sequences: Sequences | None = None, kernel_writes: bool | None = None):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.sink_tokens, self.recent_tokens = sink, recent
-        self.key_store = self.value_store = None
+        self.sequences = sequences or Sequences()
+        self.kernel_writes = kernel_writes    # None: on CUDA
+        self.key_store = self.value_store = None    # SideStore mode (bf16, kivi)
+        self.store: kvstore.Int2KVCache | None = None
+        self.seen = 0
+        self.pending = None         # a multi-token update waiting for the attention mask (oscar_attention)
         self.kernel_reads = False   # set by oscar_attention: single-token steps read by the decode kernel
         self.deferred = False       # the last update was a decode step whose read is left to the kernel
 
@@ -140,22 +149,91 @@ class OscarLayer(DynamicLayer):
                 raise OscarError(f"bundle {self.bundle.manifest.name} is for {m.num_kv_heads} KV heads of dim "
                                  f"{m.head_dim}; this model has {kv_heads} of dim {head_dim}")
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
-        self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens)
-        self.value_store = SideStore(lm.value, self.sink_tokens, self.recent_tokens)
         self.kernel_problem = kernel_problem(lm, head_dim)
+        if store_problem(lm) is None:
+            self._init_store(lm, kv_heads, head_dim)
+        else:
+            self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens)
+            self.value_store = SideStore(lm.value, self.sink_tokens, self.recent_tokens)
         self.is_initialized = True
+
+    def _init_store(self, lm: methods.LayerMethod, kv_heads: int, head_dim: int) -> None:
+        """The layer's rotations, means and clips on the device, once; the Triton write's split rotations."""
+        dev = self.device
+        eye = torch.eye(head_dim, device=dev).expand(kv_heads, head_dim, head_dim).contiguous()
+
+        def tensors(side: methods.Side):
+            rot = eye if side.rotation is None else side.rotation.to(dev, torch.float32).contiguous()
+            mean = None if side.mean is None else side.mean.to(dev, torch.float32).contiguous()
+            clip = (side.clip.to(dev, torch.float32) if isinstance(side.clip, torch.Tensor)
+                    else torch.full((kv_heads,), float(side.clip), device=dev))
+            return rot, mean, clip.contiguous()
+
+        (rk, mk, ck), (rv, mv, cv) = tensors(lm.key), tensors(lm.value)
+        self.rotation = kvstore.LayerRotation(rk, rv, ck, cv, mk, mv)
+        self.group_sizes = (lm.key.group_size, lm.value.group_size)
+        self.shape = (kv_heads, head_dim)
+        use = self.kernel_writes if self.kernel_writes is not None else dev.type == "cuda"
+        write = _triton_write() if use and write_problem(lm, head_dim) is None else None
+        self.write = write        # the Triton write module, or None: kvstore's torch reference
+        if write is not None:
+            self.split = (write.prepare_rotation(rk, mk), write.prepare_rotation(rv, mv))
+
+    def _reserve(self, batch: int) -> None:
+        """Allocate the store, or grow it to the shared capacity (the INT2 rows copied once)."""
+        cap = self.sequences.capacity
+        if self.store is not None and self.store.key_codes.shape[2] >= max(cap - self.sink_tokens - self.recent_tokens, 1):
+            return
+        new = kvstore.empty_cache(batch, *self.shape, cap, *self.group_sizes, self.sink_tokens, self.recent_tokens,
+                                  device=self.device)
+        new.lengths = self.sequences.lengths
+        if self.store is not None:
+            for f in dataclasses.fields(kvstore.Int2KVCache):
+                old = getattr(self.store, f.name)
+                if isinstance(old, torch.Tensor) and f.name != "lengths":
+                    getattr(new, f.name)[:, :, :old.shape[2]] = old
+        self.store = new
+
+    def commit(self, key_states: torch.Tensor, value_states: torch.Tensor, starts: torch.Tensor | None) -> None:
+        """Write a whole update into the store; starts[b]: leading pads of sequence b to skip (None: none)."""
+        seq, n = self.sequences, key_states.shape[-2]
+        if self.layer_idx == 0:
+            seq.advance(key_states.shape[0], n, starts, key_states.device)
+        self._reserve(key_states.shape[0])
+        if self.write is not None:
+            self.write.append_kv(self.store, key_states, value_states, *self.split, self.rotation.key_clip,
+                                 self.rotation.value_clip, starts, evict=self.seen > 0)
+        else:
+            kvstore.append(self.store, key_states, value_states, self.rotation, starts)
+        self.seen += n
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
+        if self.key_store is not None:
+            return self._update_sides(key_states, value_states)
+        past = self.read(key_states.dtype) if n > 1 and self.seen else None
+        if n > 1 and self.kernel_reads:
+            self.pending = (key_states, value_states)      # committed by oscar_attention, which sees the mask
+        else:
+            self.commit(key_states, value_states, None)
+        self.deferred = n == 1 and self.kernel_reads and self.kernel_problem is None
+        if self.deferred:
+            return key_states, value_states   # placeholders: oscar_attention reads the store by kernel
+        if n == 1:
+            return self.read(key_states.dtype)
+        if past is None:
+            return key_states, value_states
+        return torch.cat([past[0], key_states], dim=-2), torch.cat([past[1], value_states], dim=-2)
+
+    def _update_sides(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        n = key_states.shape[-2]
         if n > 1 and self.key_store.length():
             past_k, past_v = self.key_store.read(key_states.dtype), self.value_store.read(value_states.dtype)
         self.key_store.append(key_states)
         self.value_store.append(value_states)
-        self.deferred = n == 1 and self.kernel_reads and self.kernel_problem is None
-        if self.deferred:
-            return key_states, value_states   # placeholders: oscar_attention reads the store by kernel
+        self.deferred = False
         if n == 1:
             return self.key_store.read(key_states.dtype), self.value_store.read(value_states.dtype)
         if self.key_store.length() == n:
@@ -163,38 +241,46 @@ class OscarLayer(DynamicLayer):
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """All keys and values in original space, [B, H_kv, L, d] each (the torch read)."""
-        return self.key_store.read(dtype), self.value_store.read(dtype)
+        """All keys and values in original space, [B, H_kv, L, d] each (the torch read; syncs with the device).
 
-    def kernel_view(self) -> Int2KVCache:
-        """The store as the decode kernel reads it (see SideStore.kernel_parts)."""
-        k, v = self.key_store.kernel_parts(), self.value_store.kernel_parts()
-        fields = {f"{side}_{name}": t for side, parts in (("key", k), ("value", v)) for name, t in parts.items()}
-        lengths = torch.full((k["sink"].shape[0],), self.get_seq_length(), dtype=torch.int32, device=k["sink"].device)
-        return Int2KVCache(**fields, lengths=lengths, key_group_size=self.key_store.side.group_size,
-                           value_group_size=self.value_store.side.group_size)
+        Sequence b's tokens fill the last lengths[b] of the L = seen columns (its leading pads, if
+        skipped at write, are zeros)."""
+        if self.key_store is not None:
+            return self.key_store.read(dtype), self.value_store.read(dtype)
+        seq, store = self.sequences, self.store
+        if self.seen < seq.seen:        # layer 0 has already counted the update this layer is about to write
+            lengths = seq.lengths - (seq.counts if seq.counts is not None else seq.seen - self.seen)
+            store = dataclasses.replace(store, lengths=lengths)
+        batch, (heads, d) = store.key_sink.shape[0], self.shape
+        out = [torch.zeros(batch, heads, self.seen, d, dtype=dtype, device=self.device) for _ in range(2)]
+        r = self.rotation
+        for b, n in enumerate(store.lengths.tolist()):
+            if n:
+                for o, y, rot, mean in zip(out, kvstore.sequence_kv(store, b), (r.key_rotation, r.value_rotation),
+                                           (r.key_mean, r.value_mean)):
+                    x = y @ rot.transpose(1, 2)
+                    o[b, :, self.seen - n:] = (x if mean is None else x + mean[:, None]).to(dtype)
+        return out[0], out[1]
 
     def decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Triton decode attention of query [B, H, d] (original space) over the store -> [B, H, d]."""
         from oscar_core.triton.decode import decode_attention
 
-        ks, vs = self.key_store.side, self.value_store.side
-        d, heads = query.shape[-1], self.key_store.sink.shape[1]
-        eye = torch.eye(d, device=query.device).expand(heads, d, d)
-        rk = eye if ks.rotation is None else ks.rotation.to(query.device)
-        rv = eye if vs.rotation is None else vs.rotation.to(query.device)
-        mean = None if vs.mean is None else vs.mean.to(query.device)
-        return decode_attention(query.contiguous(), self.kernel_view(), rk, rv, mean, scaling,
-                                max_length=self.get_seq_length())
+        r = self.rotation
+        return decode_attention(query.contiguous(), self.store, r.key_rotation, r.value_rotation, r.value_mean,
+                                scaling, max_length=self.sequences.max_length())
 
     def get_seq_length(self) -> int:
-        return 0 if self.key_store is None else self.key_store.length()
+        if self.key_store is not None:
+            return self.key_store.length()
+        return self.seen
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.key_store = self.value_store = None
+        self.key_store = self.value_store = self.store = self.pending = None
+        self.seen = 0
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -203,7 +289,16 @@ class OscarLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise OscarError("OscarCache does not support beam search")
 
+    def int2_tokens(self) -> int:
+        """INT2 tokens of the longest sequence (host count)."""
+        if self.key_store is not None:
+            return self.key_store.n_int2
+        return max(self.seen - self.sink_tokens - self.recent_tokens, 0)
+
     def nbytes(self) -> int:
+        if self.store is not None:
+            return sum(t.untyped_storage().nbytes() for t in vars(self.store).values()
+                       if isinstance(t, torch.Tensor) and t is not self.store.lengths)
         if self.key_store is None:
             return 0
         return sum(t.untyped_storage().nbytes() for s in (self.key_store, self.value_store) for t in s.tensors())
@@ -214,12 +309,16 @@ class OscarCache(Cache):
 
     method: one of methods.METHODS; bundle: needed for "oscar", and gives the layer count, the group
     sizes and the BF16 windows; without a bundle pass num_layers (or config=model.config).
+    capacity: tokens per sequence each layer's store is allocated for (prompt, pads included, plus
+    new tokens); None: the first update's length, grown by half when exceeded.
     kernel_reads: whether oscar_attention reads decode steps by the Triton kernel; None: when the model
     is on CUDA (True forces it, e.g. on the CPU under TRITON_INTERPRET=1; False: torch reads always).
+    kernel_writes: whether stores are written by the Triton kernel; None: on CUDA.
     """
 
     def __init__(self, bundle=None, method: str = "oscar", num_layers: int | None = None, config=None,
-                 sink_tokens: int | None = None, recent_tokens: int | None = None, kernel_reads: bool | None = None):
+                 sink_tokens: int | None = None, recent_tokens: int | None = None, kernel_reads: bool | None = None,
+                 capacity: int | None = None, kernel_writes: bool | None = None):
         methods.check_method(method)
         if method == "oscar" and bundle is None:
             raise OscarError("OscarCache(method='oscar') needs a rotation bundle")
@@ -230,46 +329,129 @@ class OscarCache(Cache):
                 num_layers = config.get_text_config().num_hidden_layers
             else:
                 raise OscarError("OscarCache needs a bundle, num_layers or config")
+        if capacity is not None and capacity < 1:
+            raise OscarError(f"OscarCache capacity must be a positive number of tokens, not {capacity}")
         sink, recent = methods.windows(method, bundle)
         sink = sink if sink_tokens is None else sink_tokens
         recent = recent if recent_tokens is None else recent_tokens
-        self.method, self.kernel_reads = method, kernel_reads
-        super().__init__(layers=[OscarLayer(method, i, bundle, sink, recent) for i in range(num_layers)])
+        self.method, self.kernel_reads, self.bundle = method, kernel_reads, bundle
+        self.sequences = Sequences(capacity)
+        super().__init__(layers=[OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes)
+                                 for i in range(num_layers)])
+
+    def reserve(self, tokens: int) -> None:
+        """Grow every store to hold `tokens` per sequence now (before a CUDA-graph capture)."""
+        seq = self.sequences
+        if tokens > seq.capacity:
+            seq.capacity = tokens
+        for layer in self.layers:
+            if layer.store is not None:
+                layer._reserve(layer.store.key_sink.shape[0])
+
+    def count_steps(self, steps: int) -> None:
+        """Count decode steps the host did not run (CUDA-graph replays; −1 undoes a capture's count)."""
+        self.sequences.seen += steps
+        for layer in self.layers:
+            layer.seen += steps
+
+    def reads_by_kernel(self) -> bool:
+        """Every layer is initialized and reads its decode steps by kernel (inside oscar_attention)."""
+        return all(layer.is_initialized and layer.kernel_reads and layer.kernel_problem is None
+                   and layer.store is not None for layer in self.layers)
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (codes, scales, zero codes, BF16 windows)."""
+        """Bytes of every tensor the cache holds (codes, scales, zero codes, BF16 windows, spare capacity)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def bf16_nbytes(self) -> int:
         """Bytes of a BF16 cache holding the same tokens: 2 sides · B · H_kv · L · d · 2 bytes per layer."""
         total = 0
         for layer in self.layers:
-            if layer.key_store is not None and layer.key_store.sink is not None:
+            if layer.store is not None:
+                b, h, _, d = layer.store.key_sink.shape
+            elif layer.key_store is not None and layer.key_store.sink is not None:
                 b, h, _, d = layer.key_store.sink.shape
-                total += 2 * b * h * layer.get_seq_length() * d * 2
+            else:
+                continue
+            total += 2 * b * h * layer.get_seq_length() * d * 2
         return total
+
+
+def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, budget_bytes: int | None = None,
+                key_group_size: int = 64, value_group_size: int = 64, sink_tokens: int = methods.SINK_TOKENS,
+                recent_tokens: int = methods.RECENT_TOKENS) -> dict:
+    """Bytes an INT2 OscarCache (token groups) allocates, and the largest batch a budget holds.
+
+    bytes_per_token: one INT2 token of every layer (codes, scale and zero codes, K and V);
+    bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
+    included (kvstore.store_nbytes, exactly what OscarCache allocates at that capacity);
+    bf16_bytes_per_sequence: the same context in a BF16 cache; max_batch / bf16_max_batch: how many
+    sequences of `context` tokens fit in budget_bytes (if given)."""
+    def store(batch, capacity):
+        return num_layers * kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size,
+                                                 value_group_size, sink_tokens, recent_tokens)
+
+    per_seq = store(1, context)
+    bf16 = num_layers * 2 * kv_heads * context * head_dim * 2
+    out = dict(bytes_per_token=store(1, sink_tokens + recent_tokens + 2) - store(1, sink_tokens + recent_tokens + 1),
+               bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
+               bits_per_element=round(8 * per_seq / (num_layers * 2 * kv_heads * context * head_dim), 4))
+    if budget_bytes is not None:
+        out |= dict(max_batch=budget_bytes // per_seq, bf16_max_batch=budget_bytes // bf16)
+    return out
 
 
 def kernel_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
     """Why the decode kernel cannot read a layer of this method (None: it can)."""
-    sides = (lm.key, lm.value)
-    if any(side is None or side.axis != "token" for side in sides):
-        return "the kernel reads INT2 keys and values in per-token groups only"
-    if head_dim % 64 or any(side.group_size % 64 for side in sides):
+    problem = store_problem(lm)
+    if problem is not None:
+        return problem
+    if head_dim % 64 or any(side.group_size % 64 for side in (lm.key, lm.value)):
         return "the kernel needs head_dim and group sizes that are multiples of 64"
     return None
+
+
+def store_problem(lm: methods.LayerMethod) -> str | None:
+    """Why a layer of this method cannot live in a kvstore.Int2KVCache (None: it can)."""
+    if any(side is None or side.axis != "token" for side in (lm.key, lm.value)):
+        return "the kernel reads INT2 keys and values in per-token groups only"
+    return None
+
+
+def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
+    """Why the Triton write kernel cannot write a layer (None: it can): power-of-two shapes only."""
+    def pow2(n):
+        return n >= 4 and n & (n - 1) == 0
+    if not pow2(head_dim) or head_dim < 16 or not all(pow2(s.group_size) for s in (lm.key, lm.value)):
+        return "the write kernel needs power-of-two head_dim and group sizes"
+    return None
+
+
+def _mask_starts(mask: torch.Tensor | None, past: int, n: int) -> torch.Tensor | None:
+    """Leading pads of each sequence among the n new columns of a 4D attention mask (None: no mask).
+    Reads the mask on the host once per multi-token update, to refuse a gap the store cannot skip."""
+    if mask is None:
+        return None
+    row = mask[:, 0, -1, past:past + n]
+    keep = row if row.dtype == torch.bool else row == 0
+    if not bool((keep.int().diff(dim=-1) >= 0).all()):
+        raise OscarError("OscarCache skips leading pads only: the attention mask has a gap after a real token")
+    return (n - keep.sum(-1)).to(torch.int32)
 
 
 @contextmanager
 def oscar_attention(model, cache: OscarCache):
     """Attention of `model` reading `cache` by the Triton decode kernel on single-token steps.
 
-    Inside, every attention layer runs exact sdpa, except a decode step (one query token, no padding
-    masked out) of a layer the kernel can read (kernel_problem), which runs
-    triton.decode.decode_attention on the layer's store instead of dequantizing it. Nothing is
-    changed unless the cache reads by kernel (kernel_reads, or by default a model on CUDA).
+    Inside, every attention layer runs exact sdpa, except a decode step (one query token) of a layer
+    the kernel can read (kernel_problem), which runs triton.decode.decode_attention on the layer's store
+    instead of dequantizing it; the decode step then needs no attention mask (the store knows each
+    sequence's length), so none is built. A multi-token update is written once this function sees its
+    mask, skipping each sequence's leading pads. Nothing is changed unless the cache reads by kernel
+    (kernel_reads, or by default a model on CUDA).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     use = cache.kernel_reads if cache.kernel_reads is not None else model.device.type == "cuda"
     if not use:
@@ -279,18 +461,30 @@ def oscar_attention(model, cache: OscarCache):
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer = cache.layers[module.layer_idx]
         scaling = scaling or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        if layer.pending is not None:
+            k, v = layer.pending
+            layer.pending = None
+            layer.commit(k, v, _mask_starts(attention_mask, layer.seen, k.shape[-2]))
         if query.shape[2] == 1 and layer.deferred:
-            if attention_mask is None or (attention_mask.dtype == torch.bool and bool(attention_mask.all())):
-                out = layer.decode_attention(query[:, :, 0], float(scaling))
-                return out.to(query.dtype).unsqueeze(1), None          # [B, 1, H, d]
-            key, value = layer.read(query.dtype)                       # padded batch: torch read, masked sdpa
+            out = layer.decode_attention(query[:, :, 0], float(scaling))
+            return out.to(query.dtype).unsqueeze(1), None          # [B, 1, H, d]
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    def mask(*args, **kwargs):
+        if kwargs.get("q_length") == 1 and cache.reads_by_kernel():
+            return None
+        return sdpa_mask(*args, **kwargs)
 
     for layer in cache.layers:
         layer.kernel_reads = True
+    AttentionMaskInterface.register(ATTENTION_NAME, mask)
     try:
-        with route_attention(model, ATTENTION_NAME, attention, mask="sdpa"):
+        with route_attention(model, ATTENTION_NAME, attention):
             yield
     finally:
         for layer in cache.layers:
             layer.kernel_reads = layer.deferred = False
+        # The registries are global: leave nothing there that keeps this cache (and its memory) alive.
+        from transformers import AttentionInterface
+        AttentionInterface.register(ATTENTION_NAME, sdpa_attention_forward)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

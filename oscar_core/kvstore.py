@@ -156,45 +156,82 @@ def prefill(cache: Int2KVCache, keys: torch.Tensor, values: torch.Tensor, length
     cache.lengths.copy_(lengths.to(cache.lengths))
 
 
+def advance(cache: Int2KVCache, tokens: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Count `tokens` new tokens per sequence, less `starts[b]` leading pads: lengths += tokens − starts.
+
+    The append functions (append here, triton.write.append_kv) take lengths that already count the new
+    tokens, so one advance serves every layer whose store shares the lengths tensor. Returns the counts."""
+    counts = torch.full_like(cache.lengths, tokens) if starts is None else tokens - starts.to(cache.lengths)
+    cache.lengths += counts
+    return counts
+
+
+def append(cache: Int2KVCache, keys: torch.Tensor, values: torch.Tensor, layer: LayerRotation,
+           starts: torch.Tensor | None = None, write=write_int2) -> None:
+    """Store keys/values [B, H_kv, n, d] (original space, attention layout) after each sequence's tokens, in place.
+
+    Sequence b takes tokens t ≥ starts[b] (its leading pads are skipped; starts None: all n), at
+    positions L_b − n + starts[b] + (t − starts[b]), L_b = cache.lengths[b], which must already count
+    them (see advance). A token still in the recent ring that the new ones push out of the last W is
+    quantized into its INT2 row from its BF16 rotated copy before its ring slot is reused; new tokens
+    that land in INT2 directly are quantized from their float32 rotation (as prefill)."""
+    s, w = cache.sink_tokens, cache.recent_tokens
+    n = keys.shape[2]
+    eye = torch.eye(keys.shape[-1], device=keys.device).expand_as(layer.key_rotation)
+    first = [0] * len(keys) if starts is None else starts.tolist()
+    for b, (final, st) in enumerate(zip(cache.lengths.tolist(), first)):
+        old = final - (n - st)
+        if st >= n:
+            continue
+        lo, hi = max(s, old - w), min(old, final - w)
+        if hi > lo:
+            leave = torch.arange(lo, hi, device=keys.device)
+            slots, rows = (leave - s) % w, leave - s
+            for side in ("key", "value"):
+                g = getattr(cache, f"{side}_group_size")
+                kept = getattr(cache, f"{side}_recent")[b, :, slots].transpose(0, 1)
+                packed, scale, zero = write_int2(kept, eye, getattr(layer, f"{side}_clip"), g)
+                getattr(cache, f"{side}_codes")[b, :, rows] = packed.transpose(0, 1)
+                getattr(cache, f"{side}_scale")[b, :, rows] = scale.transpose(0, 1)
+                getattr(cache, f"{side}_zero")[b, :, rows] = zero.transpose(0, 1)
+        pos = torch.arange(old, final, device=keys.device)
+        _store(cache, b, pos, keys[b, :, st:].transpose(0, 1), values[b, :, st:].transpose(0, 1), layer, write)
+
+
 def append_token(cache: Int2KVCache, key: torch.Tensor, value: torch.Tensor, layer: LayerRotation) -> None:
-    """Append one token per sequence in place, key/value [B, H_kv, d] original space.
+    """Append one token per sequence in place, key/value [B, H_kv, d] original space (advance, then append).
 
     When the recent ring is full, the token leaving it (position L − W) is quantized from its BF16
     rotated copy into INT2 row L − W − S before its ring slot is reused."""
-    s, w = cache.sink_tokens, cache.recent_tokens
-    eye = torch.eye(key.shape[-1], device=key.device).expand_as(layer.key_rotation)
-    for b, n in enumerate(cache.lengths.tolist()):
-        old = n - w
-        if old >= s:
-            slot, row = (old - s) % w, old - s
-            for side in ("key", "value"):
-                g = getattr(cache, f"{side}_group_size")
-                kept = getattr(cache, f"{side}_recent")[b, :, slot][None]
-                packed, scale, zero = write_int2(kept, eye, getattr(layer, f"{side}_clip"), g)
-                getattr(cache, f"{side}_codes")[b, :, row] = packed[0]
-                getattr(cache, f"{side}_scale")[b, :, row] = scale[0]
-                getattr(cache, f"{side}_zero")[b, :, row] = zero[0]
-        pos = torch.tensor([n], device=key.device)
-        # Only the new token is stored, so _store must treat it as the last one: final = n + 1.
-        _store(cache, b, pos, key[b][None], value[b][None], layer, write_int2)
-    cache.lengths += 1
+    advance(cache, 1)
+    append(cache, key[:, :, None], value[:, :, None], layer)
 
 
 def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All stored keys and values of sequence b in rotated space, float32 [H_kv, L, d] (positions unordered)."""
+    """All stored keys and values of sequence b in rotated space, float32 [H_kv, L, d], in position order."""
     n = int(cache.lengths[b])
     s, w = cache.sink_tokens, cache.recent_tokens
-    n_sink, n_ring, n_int2 = min(n, s), min(w, max(n - s, 0)), max(n - s - w, 0)
+    n_sink, n_int2 = min(n, s), max(n - s - w, 0)
+    ring = (torch.arange(s + n_int2, max(n, s), device=cache.lengths.device) - s) % w
     out = []
     for side in ("key", "value"):
         g = getattr(cache, f"{side}_group_size")
         parts = [getattr(cache, f"{side}_sink")[b, :, :n_sink].float(),
-                 getattr(cache, f"{side}_recent")[b, :, :n_ring].float(),
                  read_int2(getattr(cache, f"{side}_codes")[b, :, :n_int2],
                            getattr(cache, f"{side}_scale")[b, :, :n_int2],
-                           getattr(cache, f"{side}_zero")[b, :, :n_int2], g)]
+                           getattr(cache, f"{side}_zero")[b, :, :n_int2], g),
+                 getattr(cache, f"{side}_recent")[b, :, ring].float()]
         out.append(torch.cat(parts, dim=1))
     return out[0], out[1]
+
+
+def store_nbytes(batch: int, capacity: int, kv_heads: int, head_dim: int, key_group_size: int = 64,
+                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS) -> int:
+    """Bytes of empty_cache(batch, kv_heads, head_dim, capacity, ...): BF16 windows, INT2 rows, lengths."""
+    rows = max(capacity - sink_tokens - recent_tokens, 1)
+    windows = 2 * (sink_tokens + recent_tokens) * head_dim * 2
+    per_row = 2 * (head_dim // 4) + 2 * (head_dim // key_group_size) + 2 * (head_dim // value_group_size)
+    return batch * kv_heads * (windows + rows * per_row) + 4 * batch
 
 
 def rotate_query(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ import torch
 
 from oscar_core import methods
 from oscar_core.bundle import load_bundle
-from oscar_core.cache import OscarCache, OscarLayer
+from oscar_core import kvstore
+from oscar_core.cache import OscarCache, OscarLayer, Sequences, memory_plan
 from oscar_core.errors import OscarError
 
 BUNDLE = Path(__file__).resolve().parents[1] / "zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1"
@@ -16,9 +17,8 @@ def kv(t, seed=0, heads=3, d=64):
     return torch.randn(1, heads, t, d, generator=g), torch.randn(1, heads, t, d, generator=g)
 
 
-@pytest.mark.parametrize("method", ["int2", "hadamard", "kivi"])
-def test_layer_layout_and_measured_bytes(method):
-    layer = OscarLayer(method, 0, None, sink=64, recent=256)
+def test_kivi_layer_layout_and_measured_bytes():
+    layer = OscarLayer("kivi", 0, None, sink=64, recent=256)
     k, v = kv(1000)
     out_k, out_v = layer.update(k, v)
     assert torch.equal(out_k, k) and torch.equal(out_v, v)              # prefill attends in flight
@@ -26,18 +26,62 @@ def test_layer_layout_and_measured_bytes(method):
         out_k, _ = layer.update(*kv(1, seed=7))
     assert layer.get_seq_length() == 1003 and out_k.shape == (1, 3, 1003, 64)
     ks = layer.key_store
-    block = 64 if method == "kivi" else 1
-    assert ks.sink.shape[2] == 64 and ks.recent.shape[2] >= 256 and ks.recent.shape[2] < 256 + block
+    assert ks.sink.shape[2] == 64 and 256 <= ks.recent.shape[2] < 256 + 64
     assert ks.n_int2 == 1003 - 64 - ks.recent.shape[2]
     # The sink is exact (BF16) and the INT2 tokens are the method's write path of their BF16 copy.
     assert torch.equal(out_k[:, :, :64], k[:, :, :64].bfloat16().float())
-    side = methods.layer_method(method, 0, 3, 64).key
+    side = methods.layer_method("kivi", 0, 3, 64).key
     n = ks.n_int2
     expected = methods.fake(side, k[:, :, 64:64 + n].bfloat16().float())
     assert torch.allclose(out_k[:, :, 64:64 + n], expected, atol=1e-5)
-    # Bytes: BF16 windows plus 2.25 bits per INT2 element (codes + one scale and zero byte per 64).
     stores = (layer.key_store, layer.value_store)
     assert layer.nbytes() == sum((64 + s.recent.shape[2]) * 3 * 64 * 2 + s.n_int2 * 3 * (16 + 2) for s in stores)
+
+
+@pytest.mark.parametrize("method", ["int2", "hadamard"])
+def test_store_layer_layout_and_measured_bytes(method):
+    layer = OscarLayer(method, 0, None, sink=64, recent=256)
+    k, v = kv(1000)
+    out_k, out_v = layer.update(k, v)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)              # prefill attends in flight
+    for i in range(3):
+        out_k, out_v = layer.update(*kv(1, seed=7 + i))
+    assert layer.get_seq_length() == 1003 and out_k.shape == (1, 3, 1003, 64)
+    store = layer.store
+    assert store.lengths.tolist() == [1003] and layer.int2_tokens() == 1003 - 64 - 256
+    side = methods.layer_method(method, 0, 3, 64).key
+    # Sink and ring: BF16 of the rotated token, read back in original space (exact for the identity).
+    assert torch.allclose(out_k[:, :, :64], k[:, :, :64], atol=3e-2)
+    if method == "int2":
+        assert torch.equal(out_k[:, :, :64], k[:, :, :64].bfloat16().float())
+    # Tokens written straight to INT2 by the prefill: the method's quantization of their float32 rotation.
+    expected = methods.fake(side, k[:, :, 64:1000 - 256])
+    close = torch.isclose(out_k[:, :, 64:1000 - 256], expected, atol=1e-5)
+    assert close.float().mean() > 0.999
+    # Tokens pushed out of the ring by the 3 decode steps: quantized from their BF16 rotated copy.
+    y = methods.rotate(side, k[:, :, 744:747]).bfloat16().float()
+    from oscar_core import quant
+    back = methods.unrotate(side, quant.fake_quantize(y, 64))
+    assert torch.allclose(out_k[:, :, 744:747], back, atol=1e-4)
+    # Bytes: exactly the preallocated store (capacity rounded up to 256 tokens), per-sequence lengths aside.
+    cap = layer.sequences.capacity
+    assert cap == 1024 and layer.nbytes() == kvstore.store_nbytes(1, cap, 3, 64) - 4
+
+
+def test_store_grows_in_place_and_reads_the_same():
+    big = OscarLayer("hadamard", 0, None, sink=4, recent=16, sequences=Sequences(capacity=400))
+    small = OscarLayer("hadamard", 0, None, sink=4, recent=16)
+    k, v = kv(250, heads=2)
+    for layer in (big, small):
+        layer.update(k, v)
+    assert small.sequences.capacity == 256
+    for i in range(10):
+        step = kv(1, seed=100 + i, heads=2)
+        big.commit(*step, None)
+        small.commit(*step, None)
+    want, got = big.read(torch.float32), small.read(torch.float32)
+    assert small.sequences.capacity == 512 and small.store.key_codes.shape[2] == 512 - 20
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_cache_bytes_against_bf16():
@@ -48,6 +92,26 @@ def test_cache_bytes_against_bf16():
     assert cache.bf16_nbytes() == 2 * 2 * 3 * 4096 * 64 * 2
     assert 4.5 < ratio < 16 / methods.bits_per_element("int2", 4096) + 1e-6
     assert abs(16 / ratio - methods.bits_per_element("int2", 4096)) < 1e-9   # measured = accounted
+    plan = memory_plan(2, 3, 64, 4096, budget_bytes=10 * cache.nbytes() + 5)
+    assert plan["bytes_per_sequence"] == cache.nbytes() + 2 * 4
+    assert plan["bytes_per_token"] == 2 * 2 * 3 * (16 + 2) and plan["max_batch"] == 9
+    assert plan["bf16_bytes_per_sequence"] == cache.bf16_nbytes()
+
+
+def test_left_padded_batch_reads_right_aligned():
+    """Leading pads skipped at write (as oscar_attention does from the mask): each sequence's tokens fill the
+    last lengths[b] columns of the torch read, and its INT2 rows start at its first real token."""
+    layer = OscarLayer("int2", 0, None, sink=4, recent=8)
+    k, v = kv(40, heads=2)
+    k, v = k.expand(2, -1, -1, -1).clone(), v.expand(2, -1, -1, -1).clone()
+    layer.lazy_initialization(k, v)
+    layer.commit(k, v, torch.tensor([0, 10], dtype=torch.int32))
+    assert layer.store.lengths.tolist() == [40, 30]
+    out_k, _ = layer.read(torch.float32)
+    alone = OscarLayer("int2", 0, None, sink=4, recent=8)
+    alone.update(k[1:, :, 10:], v[1:, :, 10:])
+    assert torch.equal(out_k[1, :, 10:], alone.read(torch.float32)[0][0])
+    assert (out_k[1, :, :10] == 0).all()
 
 
 def test_bad_inputs():
@@ -76,7 +140,7 @@ def test_generate_with_oscar_cache_answers_like_bf16(default_model):
     assert ids.shape[1] > 24
     answers = {}
     for method in ("bf16", "oscar"):
-        cache = OscarCache(bundle, method, sink_tokens=4, recent_tokens=16)
+        cache = OscarCache(bundle, method, sink_tokens=4, recent_tokens=16, capacity=ids.shape[1] + 8)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
                              do_sample=False, pad_token_id=tok.eos_token_id)
         answers[method] = out[0, ids.shape[1]:]
@@ -86,3 +150,22 @@ def test_generate_with_oscar_cache_answers_like_bf16(default_model):
     assert "Paris" in tok.decode(answers["bf16"])
     assert "Paris" in tok.decode(answers["oscar"])
     assert torch.equal(answers["oscar"][:3], answers["bf16"][:3])
+
+
+def test_int2_store_decodes_as_the_simulation():
+    """Token-by-token decode through the int2 store (identity rotation: its BF16 ring holds the tokens' BF16
+    copies, from which leaving tokens are quantized) reads what simulate.simulated_attention gives each position."""
+    from oscar_core.simulate import simulated_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 6, 60, 64, generator=g), torch.randn(1, 3, 60, 64, generator=g), torch.randn(1, 3, 60, 64,
+                                                                                                          generator=g)
+    layer = OscarLayer("int2", 0, None, sink=4, recent=16)
+    outs = []
+    for p in range(60):
+        kp, vp = layer.update(k[:, :, p:p + 1], v[:, :, p:p + 1])
+        probs = torch.softmax(0.125 * q[:, :, p:p + 1] @ kp.repeat_interleave(2, 1).mT, -1)
+        outs.append(probs @ vp.repeat_interleave(2, 1))
+    assert layer.store is not None
+    lm = methods.layer_method("int2", 0, 3, 64)
+    assert torch.allclose(torch.cat(outs, 2), simulated_attention(q, k, v, lm, 0.125, 4, 16, 16), atol=1e-4)

@@ -1,4 +1,5 @@
-"""OscarCache decode steps read by the Triton decode kernel (oscar_attention) against the torch read.
+"""OscarCache written by the Triton write kernels and read by the decode kernel (oscar_attention) against
+the torch reference; the write kernels against kvstore's reference.
 
 Run on the CPU through Triton's interpreter (see tests/test_triton_kernels.py for the import dance)."""
 
@@ -15,11 +16,15 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from oscar_core import kvstore, quant  # noqa: E402
 from oscar_core.cache import OscarCache, oscar_attention  # noqa: E402
-from oscar_core.triton import decode  # noqa: E402
+from oscar_core.errors import OscarError  # noqa: E402
+from oscar_core.triton import decode, write  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(decode._split_kernel, triton.runtime.interpreter.InterpretedFunction):
     importlib.reload(sys.modules["oscar_core.triton.decode"])
+if not torch.cuda.is_available() and not isinstance(write._append_kernel, triton.runtime.interpreter.InterpretedFunction):
+    write = importlib.reload(sys.modules["oscar_core.triton.write"])
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
@@ -53,36 +58,120 @@ def random_bundle(sink, recent):
 
 
 @torch.no_grad()
-def decode_logits(model, cache, ids, steps):
-    """Logits of the prompt's last token and of `steps` teacher-forced greedy tokens of the torch read."""
-    out = [model(ids, past_key_values=cache).logits[:, -1]]
+def decode_logits(model, cache, ids, steps, mask=None):
+    """Logits of the prompt's last token and of `steps` forced tokens (3, 4, ...) decoded after it; with a
+    left-padding mask, positions count real tokens only and every decode step passes the grown mask."""
+    pos = None if mask is None else (mask.long().cumsum(-1) - 1).clamp_min(0)
+    out = [model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]]
     for t in range(steps):
-        out.append(model(ids[:, -1:] * 0 + t + 3, past_key_values=cache).logits[:, -1])
+        tok = ids[:, -1:] * 0 + t + 3
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            pos = pos[:, -1:] + 1
+        out.append(model(tok, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1])
     return torch.stack(out, 1)
+
+
+def make_cache(method, bundle, kernel, **kw):
+    return OscarCache(bundle, method, num_layers=LAYERS, sink_tokens=4, recent_tokens=16, kernel_reads=kernel,
+                      kernel_writes=kernel, **kw)
 
 
 @pytest.mark.parametrize("method", ["oscar", "hadamard"])
 def test_kernel_reads_match_torch_reads(method):
     model = tiny_llama()
-    sink, recent = 4, 16
-    bundle = random_bundle(sink, recent) if method == "oscar" else None
+    bundle = random_bundle(4, 16) if method == "oscar" else None
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    torch_cache = OscarCache(bundle, method, num_layers=LAYERS, sink_tokens=sink, recent_tokens=recent,
-                             kernel_reads=False)
+    torch_cache = make_cache(method, bundle, False)
     want = decode_logits(model, torch_cache, ids, steps=4)
-    kernel_cache = OscarCache(bundle, method, num_layers=LAYERS, sink_tokens=sink, recent_tokens=recent,
-                              kernel_reads=True)
+    kernel_cache = make_cache(method, bundle, True)
     calls = []
     real = kernel_cache.layers[0].decode_attention
     kernel_cache.layers[0].decode_attention = lambda *a: calls.append(1) or real(*a)
     with oscar_attention(model, kernel_cache):
         got = decode_logits(model, kernel_cache, ids, steps=4)
     assert len(calls) == 4                                         # every decode step of layer 0 read by kernel
-    assert kernel_cache.get_seq_length() == 44 and kernel_cache.layers[0].key_store.n_int2 == 44 - sink - recent
+    layer = kernel_cache.layers[0]
+    assert kernel_cache.get_seq_length() == 44 and layer.int2_tokens() == 44 - 4 - 16
+    assert layer.write is not None and layer.store.lengths.tolist() == [44, 44]
     assert model.config._attn_implementation == "sdpa"             # restored
     assert torch.equal(got[:, 0], want[:, 0])                       # prefill: exact sdpa on both
     err = (got - want).norm(dim=-1) / want.norm(dim=-1)
-    assert err.max() < 2e-2, err
+    # 2e-2 with torch writes; the interpreter's float32 -> bf16 conversion truncates (the GPU rounds to
+    # nearest), a bias in every BF16 window value that the second layer's inputs carry on.
+    assert err.max() < 3e-2, err
+    # The Triton write's codes against the reference's: equal but for values at a rounding boundary.
+    ref = torch_cache.layers[0].store
+    rows = layer.int2_tokens()
+    for name in ("key_codes", "value_codes", "key_scale", "value_zero"):
+        a, b = getattr(layer.store, name)[:, :, :rows], getattr(ref, name)[:, :, :rows]
+        assert (a == b).float().mean() > 0.98, name
+
+
+def test_left_padded_batch_decodes_by_kernel():
+    """A left-padded batch: the kernel path (pads skipped at write, per-sequence lengths) against each
+    sequence decoded alone without padding through torch reads."""
+    model = tiny_llama()
+    bundle = random_bundle(4, 16)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (2, 40), generator=gen).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :15] = 0
+    cache = make_cache("oscar", bundle, True)
+    with oscar_attention(model, cache):
+        got = decode_logits(model, cache, ids, steps=3, mask=mask)
+    assert cache.layers[1].store.lengths.tolist() == [43, 28] and cache.reads_by_kernel() is False  # exited
+    for b, start in ((0, 0), (1, 15)):
+        alone = make_cache("oscar", bundle, False)
+        want = decode_logits(model, alone, ids[b:b + 1, start:], steps=3)
+        err = (got[b] - want[0]).norm(dim=-1) / want[0].norm(dim=-1)
+        assert err.max() < 3e-2, (b, err)
+
+
+def test_mask_with_a_gap_is_refused():
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, 10] = 0
+    cache = make_cache("hadamard", None, True)
+    with oscar_attention(model, cache), pytest.raises(OscarError, match="leading pads"):
+        decode_logits(model, cache, ids, steps=0, mask=mask)
+
+
+def test_greedy_decoder_eager_matches_generate():
+    from oscar_core.decode_graph import greedy_generate
+
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0                                   # left padding: torch reads need the grown mask each step
+    for m in (None, mask):
+        want = model.generate(ids, attention_mask=torch.ones_like(ids) if m is None else m, max_new_tokens=6,
+                              past_key_values=make_cache("int2", None, False), do_sample=False, pad_token_id=0)
+        cache = make_cache("int2", None, False)
+        got = greedy_generate(model, cache, ids, m, max_new_tokens=6, graph=False)
+        assert torch.equal(got, want[:, 30:]) and cache.get_seq_length() == 35
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_replay_equals_eager_steps():
+    """greedy_generate's CUDA-graph replays give the tokens of the same steps run eagerly (the same
+    launch plan: the kernel planned from the capacity in both), for a left-padded batch too."""
+    from oscar_core.decode_graph import greedy_generate
+
+    model = tiny_llama().bfloat16()
+    bundle = random_bundle(4, 16)
+    ids = torch.randint(0, 256, (3, 50), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[2, :20] = 0
+    out = []
+    for graph in (False, True):
+        cache = make_cache("oscar", bundle, None)
+        if not graph:
+            cache.sequences.static = True
+        out.append(greedy_generate(model, cache, ids, mask, max_new_tokens=12, graph=graph))
+        assert cache.get_seq_length() == 50 + 11 and cache.layers[0].store.lengths.tolist() == [61, 61, 41]
+    assert torch.equal(out[0], out[1])
 
 
 def test_kernel_reads_fall_back():
@@ -95,3 +184,65 @@ def test_kernel_reads_fall_back():
     off = OscarCache(None, "int2", num_layers=LAYERS, kernel_reads=False)
     with oscar_attention(model, off):
         assert model.config._attn_implementation == "sdpa"         # nothing routed
+
+
+def orthogonal(heads, d, gen):
+    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, dtype=torch.float64))[0].float()
+
+
+def test_append_kernel_matches_reference():
+    """triton.write.append_kv against kvstore.append: a left-padded prefill, decode steps that push tokens
+    out of the ring, a chunk longer than the ring and a short chunk, on one store."""
+    gen = torch.Generator().manual_seed(8)
+    bsz, heads, d, s, w = 3, 2, 64, 4, 8
+    layer = kvstore.LayerRotation(orthogonal(heads, d, gen), orthogonal(heads, d, gen), torch.tensor([0.96, 0.9]),
+                                  torch.tensor([0.92, 1.0]), torch.randn(heads, d, generator=gen),
+                                  torch.randn(heads, d, generator=gen))
+    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()}
+    kr = write.prepare_rotation(on["key_rotation"], on["key_mean"])
+    vr = write.prepare_rotation(on["value_rotation"], on["value_mean"])
+    ref = kvstore.empty_cache(bsz, heads, d, 80, sink_tokens=s, recent_tokens=w)
+    got = kvstore.empty_cache(bsz, heads, d, 80, sink_tokens=s, recent_tokens=w, device=DEVICE)
+
+    def append(n, starts=None):
+        k = (torch.randn(bsz, heads, n, d, generator=gen) * 2).bfloat16()
+        v = torch.randn(bsz, heads, n, d, generator=gen).bfloat16()
+        kvstore.advance(ref, n, starts)
+        kvstore.advance(got, n, None if starts is None else starts.to(DEVICE))
+        kvstore.append(ref, k, v, layer, starts)
+        write.append_kv(got, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"],
+                        None if starts is None else starts.to(DEVICE), evict=bool(ref.lengths.sum() > n * bsz))
+
+    append(20, torch.tensor([0, 5, 13], dtype=torch.int32))
+    for _ in range(10):
+        append(1)
+    append(11, torch.tensor([0, 2, 0], dtype=torch.int32))
+    append(3)
+    assert got.lengths.tolist() == ref.lengths.tolist() == [44, 37, 31]
+    for name in ("key_sink", "value_sink", "key_recent", "value_recent"):
+        a, b = getattr(got, name).float().cpu(), getattr(ref, name).float()
+        # The same float32 rotation computed two ways, rounded to bf16 (the interpreter truncates):
+        # within one bf16 step, plus a small absolute slack where the rotated value nearly cancels.
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-3).all(), name
+    for side in ("key", "value"):
+        codes = [quant.unpack_int2(getattr(c, f"{side}_codes")).cpu().int() for c in (got, ref)]
+        assert (codes[0] == codes[1]).float().mean() > 0.98
+        assert (codes[0] - codes[1]).abs().max() <= 1                   # never more than one code step
+        for name in ("scale", "zero"):
+            a, b = getattr(got, f"{side}_{name}").cpu().int(), getattr(ref, f"{side}_{name}").int()
+            assert (a == b).float().mean() > 0.98 and (a - b).abs().max() <= 1
+
+
+@pytest.mark.parametrize("d,group", [(64, 64), (128, 64), (128, 128)])
+def test_write_kernel_codes_equal_reference(d, group):
+    gen = torch.Generator().manual_seed(d + group)
+    tokens, heads = 45, 3
+    mean = torch.randn(heads, d, generator=gen)
+    x = (torch.randn(tokens, heads, d, generator=gen) * 2 + mean).bfloat16()
+    rot, clip = orthogonal(heads, d, gen), torch.tensor([1.0, 0.96, 0.9])
+    ref = kvstore.write_int2(x, rot, clip, group, mean)
+    for inp in (x, x.float() + 1e-3 * torch.randn(x.shape, generator=gen)):     # bf16 input, and float32
+        want = ref if inp.dtype == torch.bfloat16 else kvstore.write_int2(inp, rot, clip, group, mean)
+        got = write.write_int2(inp.to(DEVICE), rot.to(DEVICE), clip.to(DEVICE), group, mean.to(DEVICE), block_t=16)
+        for a, b in zip(got, want):
+            assert (a.cpu() == b).float().mean() >= 0.999

@@ -58,7 +58,7 @@ def test_simulated_attention_matches_decoding_through_the_cache(name):
     """Token-by-token decode through OscarLayer reads what the simulation gives each position."""
     q, k, v = qkv(t=60, seed=1)
     lm = layer_methods()[name]
-    layer = OscarLayer("int2", 0, None, SINK, RECENT)  # sides replaced below
+    layer = OscarLayer("kivi", 0, None, SINK, RECENT)  # a SideStore layer (growing tensors); sides replaced below
     layer.lazy_initialization(k[:, :, :1])
     layer.key_store.side, layer.value_store.side = lm.key, lm.value
     outs = []

@@ -1,9 +1,25 @@
-"""Triton write kernel: rotate, centre, clip, quantize to INT2 and pack, as kvstore.write_int2.
+"""Triton write kernels: rotate, centre, clip, quantize to INT2 and pack (kvstore.write_int2), and the
+append of new tokens into a kvstore.Int2KVCache in place (kvstore.append), K and V in one launch.
 
-One program takes BLOCK_T tokens of one KV head: y = (x − μ)·R (float32), then per group of G
-channels the arithmetic of quant.quantize (log2 scale code, quarter-step zero code, the widening
-of far-off-centre groups), and packs channel 4j + i into bits 2i of byte j.
+Rotation. y = (x − μ)·R is computed as x·R_hi + x·R_lo − μ·R on the tensor cores, where R_hi = bf16(R)
+and R_lo = bf16(R − R_hi) (prepare_rotation, once per layer): a bf16 x times a bf16 factor is exact in
+the float32 accumulator, and R_hi + R_lo carries 16 of R's 24 bits, so y matches the float32 reference
+to about 2^-17 relative (a float32 x is split the same way, x_hi·R_hi + x_hi·R_lo + x_lo·R_hi).
+Codes therefore equal the reference's except where a value lies that close to a rounding boundary.
+Quantization: per group of G channels the arithmetic of quant.quantize (log2 scale code, quarter-step
+zero code, the widening of far-off-centre groups); channel 4j + i goes to bits 2i of byte j.
+
+Append (append_kv). Row r of the launch is token t = r mod n of sequence b = r div n; with L_b the
+length after the append (the caller advanced it, kvstore.advance) and s_b the sequence's leading pads,
+the token lands at position p = L_b − n + t (t ≥ s_b): in the sink if p < S, in ring slot (p − S) mod W
+if p ≥ L_b − W (BF16, rotated and centred), else in INT2 row p − S. The token that p pushes out of the
+ring, p − W, when it was stored there before this append (S ≤ p − W < L_b − n + s_b), is read from that
+same slot first and quantized (it is already rotated) into INT2 row p − W − S. A decode step (n = 1)
+is one launch for the whole batch; an append longer than W to a non-empty store runs in launches of
+W tokens, so that no program reads a ring slot that another program of the same launch rewrites.
 """
+
+import functools
 
 import torch
 import triton
@@ -29,26 +45,32 @@ def _scale_code(step, ROUND_UP: tl.constexpr):
 
 
 @triton.jit
-def _write_kernel(x_ptr, rot_ptr, mean_ptr, clip_ptr, codes_ptr, scale_ptr, zero_ptr, tokens,
-                  sx_t, sx_h, sc_t, sc_h, ss_t, ss_h, sz_t, sz_h,
-                  D: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    pid_t = tl.program_id(0)
-    h = tl.program_id(1)
-    NG: tl.constexpr = D // G
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.arange(0, D)
-    tmask = t < tokens
-    x = tl.load(x_ptr + t[:, None] * sx_t + h * sx_h + c[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-    if HAS_MEAN:
-        x = x - tl.load(mean_ptr + h * D + c)[None, :]
-    r = tl.load(rot_ptr + h * D * D + c[:, None] * D + c[None, :])
-    y = tl.dot(x, r, input_precision=PRECISION)
+def _dot(a, b, acc, F32: tl.constexpr):
+    """tl.dot; with F32 on float32 copies (exact for bf16 inputs), for the CPU interpreter's numpy matmul."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
 
-    yg = tl.reshape(y, [BLOCK_T, NG, G])
+
+@triton.jit
+def _rotate(x, r_hi, r_lo, X_SPLIT: tl.constexpr, F32: tl.constexpr):
+    """x·(R_hi + R_lo) in float32 from bf16 products, x float32 [BT, D] (bf16-exact unless X_SPLIT)."""
+    xh = x.to(tl.bfloat16)
+    y = _dot(xh, r_hi, None, F32)
+    y = _dot(xh, r_lo, y, F32)
+    if X_SPLIT:
+        y = _dot((x - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
+    return y
+
+
+@triton.jit
+def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """quant.quantize + pack_int2 of y [BT, D] float32: (bytes uint8 [BT, D/4], scale codes uint8
+    [BT, D/G], zero codes int8 [BT, D/G])."""
+    NG: tl.constexpr = D // G
+    yg = tl.reshape(y, [BT, NG, G])
     lo = tl.min(yg, axis=2)
     hi = tl.max(yg, axis=2)
-    clip = tl.load(clip_ptr + h)
     mid = (hi + lo) / 2.0
     half = (hi - lo) / 2.0 * clip
     code = _scale_code(2.0 * half / 3.0, False)
@@ -61,22 +83,143 @@ def _write_kernel(x_ptr, rot_ptr, mean_ptr, clip_ptr, codes_ptr, scale_ptr, zero
     step = tl.exp2((code - 128.0) / 8.0)
     zero = tl.where(overflow, _round(4.0 * (mid / step - 1.5)), zero)
     zero = tl.minimum(tl.maximum(zero, -128.0), 127.0)
-
     q = _round(yg / step[:, :, None] - (zero / 4.0)[:, :, None])
     q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
-    q = tl.reshape(q, [BLOCK_T, D // 4, 4])
+    q = tl.reshape(q, [BT, D // 4, 4])
     shifts = tl.arange(0, 4) * 2
     packed = tl.sum(q << shifts[None, None, :], axis=2).to(tl.uint8)
+    return packed, code.to(tl.uint8), zero.to(tl.int8)
 
+
+@triton.jit
+def _store_int2(codes_ptr, scale_ptr, zero_ptr, base_c, base_m, y, clip, mask,
+                BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """Quantize y [BT, D] and store row i at codes_ptr + base_c[i] (+ byte), scale/zero + base_m[i] (+ group)."""
+    packed, code, zero = _quantize(y, clip, BT, D, G)
     j = tl.arange(0, D // 4)
-    tl.store(codes_ptr + t[:, None] * sc_t + h * sc_h + j[None, :], packed, mask=tmask[:, None])
-    g = tl.arange(0, NG)
-    tl.store(scale_ptr + t[:, None] * ss_t + h * ss_h + g[None, :], code.to(tl.uint8), mask=tmask[:, None])
-    tl.store(zero_ptr + t[:, None] * sz_t + h * sz_h + g[None, :], zero.to(tl.int8), mask=tmask[:, None])
+    g = tl.arange(0, D // G)
+    tl.store(codes_ptr + base_c[:, None] + j[None, :], packed, mask=mask[:, None])
+    tl.store(scale_ptr + base_m[:, None] + g[None, :], code, mask=mask[:, None])
+    tl.store(zero_ptr + base_m[:, None] + g[None, :], zero, mask=mask[:, None])
+
+
+@triton.jit
+def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_ptr, zero_ptr, tokens, n_tiles,
+                  sx_t, sx_h, sc_t, sc_h, ss_t, ss_h, sz_t, sz_h,
+                  D: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, HAS_MEAN: tl.constexpr,
+                  X_SPLIT: tl.constexpr, F32: tl.constexpr):
+    """Program (p, h) quantizes tiles p, p + P, ... of BLOCK_T tokens of head h, R loaded once."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.arange(0, D)
+    rot = h * D * D + c[:, None] * D + c[None, :]
+    r_hi = tl.load(rhi_ptr + rot)
+    r_lo = tl.load(rlo_ptr + rot)
+    clip = tl.load(clip_ptr + h)
+    if HAS_MEAN:
+        mr = tl.load(mr_ptr + h * D + c)
+    for tile in range(pid, n_tiles, tl.num_programs(0)):
+        t = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        tmask = t < tokens
+        x = tl.load(x_ptr + t[:, None] * sx_t + h * sx_h + c[None, :], mask=tmask[:, None], other=0.0)
+        y = _rotate(x.to(tl.float32), r_hi, r_lo, X_SPLIT, F32)
+        if HAS_MEAN:
+            y -= mr[None, :]
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, t * sc_t + h * sc_h, t * ss_t + h * ss_h, y, clip, tmask,
+                    BLOCK_T, D, G)
+
+
+@triton.jit
+def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
+                 sink_ptr, ring_ptr, codes_ptr, scale_ptr, zero_ptr, len_ptr, start_ptr,
+                 tile, h, rows, n, t0, piece, T,
+                 H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                 BT: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_START: tl.constexpr, EVICT: tl.constexpr,
+                 DIRECT: tl.constexpr, X_SPLIT: tl.constexpr, F32: tl.constexpr):
+    """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h (module docstring)."""
+    NG: tl.constexpr = D // G
+    c = tl.arange(0, D)
+    r = tile * BT + tl.arange(0, BT)
+    rmask = r < rows
+    b = r // piece
+    t = t0 + r % piece
+    length = tl.load(len_ptr + b, mask=rmask, other=0)
+    if HAS_START:
+        first = tl.load(start_ptr + b, mask=rmask, other=0)
+    else:
+        first = tl.zeros([BT], tl.int32)
+    valid = rmask & (t >= first)
+    pos = length - n + t
+    bh = (b * H + h).to(tl.int64)
+    x = tl.load(x_ptr + b.to(tl.int64)[:, None] * sx_b + h * sx_h + t.to(tl.int64)[:, None] * sx_t + c[None, :],
+                mask=valid[:, None], other=0.0)
+    rot = h * D * D + c[:, None] * D + c[None, :]
+    y = _rotate(x.to(tl.float32), tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), X_SPLIT, F32)
+    if HAS_MEAN:
+        y -= tl.load(mr_ptr + h * D + c)[None, :]
+    clip = tl.load(clip_ptr + h)
+    slot = (pos - S) % W
+    ring = ring_ptr + (bh * W + slot)[:, None] * D + c[None, :]
+    if EVICT:
+        gone = pos - W
+        evict = valid & (gone >= S) & (gone < length - n + first)
+        kept = tl.load(ring, mask=evict[:, None], other=0.0).to(tl.float32)
+        row = bh * T + gone - S
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, kept, clip, evict, BT, D, G)
+        tl.debug_barrier()   # every read of a ring slot before any write to it
+    in_sink = valid & (pos < S)
+    in_ring = valid & (pos >= S) & (pos >= length - W)
+    yb = y.to(tl.bfloat16)
+    tl.store(sink_ptr + (bh * S + pos)[:, None] * D + c[None, :], yb, mask=in_sink[:, None])
+    tl.store(ring, yb, mask=in_ring[:, None])
+    if DIRECT:
+        direct = valid & (pos >= S) & (pos < length - W)
+        row = bh * T + pos - S
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, y, clip, direct, BT, D, G)
+
+
+@triton.jit
+def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
+                   krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
+                   ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr,
+                   vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
+                   len_ptr, start_ptr, rows, n, t0, piece, T, n_tiles,
+                   H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
+                   W: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr, V_MEAN: tl.constexpr,
+                   HAS_START: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr, X_SPLIT: tl.constexpr,
+                   F32: tl.constexpr):
+    """Grid (P, H_kv, 2): program (p, h, side) appends row tiles p, p + P, ... of one side."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    for tile in range(pid, n_tiles, tl.num_programs(0)):
+        if tl.program_id(2) == 0:
+            _append_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr,
+                         ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, start_ptr,
+                         tile, h, rows, n, t0, piece, T, H, D, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT,
+                         X_SPLIT, F32)
+        else:
+            _append_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
+                         vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, start_ptr,
+                         tile, h, rows, n, t0, piece, T, H, D, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT,
+                         X_SPLIT, F32)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def prepare_rotation(rotation: torch.Tensor, mean: torch.Tensor | None = None):
+    """(R_hi, R_lo, μ·R): R [H, d, d] split into two bf16 parts, and the rotated mean float32 [H, d] (or None)."""
+    rot = rotation.float()
+    r_hi = rot.to(torch.bfloat16)
+    r_lo = (rot - r_hi.float()).to(torch.bfloat16)
+    mr = None if mean is None else torch.einsum("hd,hde->he", mean.float(), rot).contiguous()
+    return r_hi.contiguous(), r_lo.contiguous(), mr
 
 
 def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, group_size: int = 64,
-               mean: torch.Tensor | None = None, out=None, block_t: int = 32, precision: str = "tf32x3"):
+               mean: torch.Tensor | None = None, out=None, block_t: int = 128, waves: int = 4):
     """Triton kvstore.write_int2: x [tokens, H_kv, d] -> (codes uint8 [tokens, H_kv, d/4],
     scale codes uint8 [tokens, H_kv, d/G], zero codes int8 [tokens, H_kv, d/G]).
 
@@ -90,11 +233,44 @@ def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, grou
                torch.empty(tokens, heads, d // group_size, dtype=torch.uint8, device=x.device),
                torch.empty(tokens, heads, d // group_size, dtype=torch.int8, device=x.device))
     codes, scale, zero = out
-    rot = rotation.float().contiguous()
-    mean_t = mean.float().contiguous() if mean is not None else rot
-    grid = (triton.cdiv(tokens, block_t), heads)
-    _write_kernel[grid](x, rot, mean_t, clip.float().contiguous(), codes, scale, zero, tokens,
-                        x.stride(0), x.stride(1), codes.stride(0), codes.stride(1),
-                        scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
-                        D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mean is not None, PRECISION=precision)
+    r_hi, r_lo, mr = prepare_rotation(rotation, mean)
+    n_tiles = triton.cdiv(tokens, block_t)
+    programs = max(1, min(n_tiles, -(-waves * _num_sms(x.device) // heads)))
+    _write_kernel[(programs, heads)](
+        x, r_hi, r_lo, r_hi if mr is None else mr, clip.float().contiguous(), codes, scale, zero, tokens, n_tiles,
+        x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+        zero.stride(0), zero.stride(1), D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mean is not None,
+        X_SPLIT=x.dtype != torch.bfloat16, F32=not x.is_cuda, num_warps=4 if block_t <= 64 else 8)
     return codes, scale, zero
+
+
+def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
+              value_clip: torch.Tensor, starts: torch.Tensor | None = None, evict: bool = True,
+              block_t: int | None = None, waves: int = 4) -> None:
+    """Triton kvstore.append: keys/values [B, H_kv, n, d] (any strides with unit channel stride, the
+    layout attention layers produce) into the Int2KVCache `cache`, whose lengths already count them.
+
+    key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]; starts int32 [B] (leading
+    pads) or None; evict=False promises an empty store before this append (a prefill: no ring reads)."""
+    bsz, heads, n, d = keys.shape
+    s, w = cache.sink_tokens, cache.recent_tokens
+    rows_cap = cache.key_codes.shape[2]
+    piece = w if evict and n > w else n
+    bt = block_t or (16 if bsz * piece <= 16 else 64)
+    for t0 in range(0, n, piece):
+        p = min(piece, n - t0)
+        rows = bsz * p
+        n_tiles = triton.cdiv(rows, bt)
+        programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * heads))))
+        (khi, klo, kmr), (vhi, vlo, vmr) = key_rot, value_rot
+        _append_kernel[(programs, heads, 2)](
+            keys, keys.stride(0), keys.stride(1), keys.stride(2),
+            values, values.stride(0), values.stride(1), values.stride(2),
+            khi, klo, khi if kmr is None else kmr, key_clip, vhi, vlo, vhi if vmr is None else vmr, value_clip,
+            cache.key_sink, cache.key_recent, cache.key_codes, cache.key_scale, cache.key_zero,
+            cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero,
+            cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles,
+            H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
+            K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
+            DIRECT=n > w, X_SPLIT=keys.dtype != torch.bfloat16, F32=not keys.is_cuda,
+            num_warps=4 if bt <= 64 else 8)

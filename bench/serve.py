@@ -1,0 +1,365 @@
+"""Serving benchmark: decode steps of a Qwen3-8B-shaped model through BF16 caches and the INT2 OscarCache.
+
+A random-initialised model with Qwen3-8B's full shapes (36 layers, hidden 4096, 32 query / 8 KV heads,
+head_dim 128, bf16) is built on the GPU from a config (no download), and an OSCAR bundle of random
+orthogonal rotations, means and clips stands in for a calibrated one (the kernels do the same work).
+Arms, every one in this run, at each (context, batch) point:
+  bf16-dynamic   transformers DynamicCache, eager decode steps
+  bf16-static    transformers StaticCache, each decode step one CUDA-graph replay (transformers' sdpa path:
+                 with the static cache's mask it repeats K/V per query head and runs masked SDPA)
+  bf16-flash     a timing stand-in for the best BF16 step torch offers: the same StaticCache and graph, but
+                 attention is SDPA with enable_gqa and no mask (flash) over the whole preallocated buffer, the
+                 few unwritten slots (at most steps + 24) included: the time of an exact flash-decoding step,
+                 not its output
+  int2-eager     OscarCache("oscar") inside oscar_attention, eager decode steps
+  int2-graph     the same, each decode step one CUDA-graph replay (oscar_core.decode_graph)
+Long contexts are filled synthetically: random post-RoPE keys and values of `context` tokens written
+into each cache by its real write path (BF16: the cache's update; INT2: the Triton append kernel), then
+greedy decode steps run through the whole model (decode_graph.GreedyDecoder). Prefill through the model
+is timed separately at a size that fits, and the write kernels' bandwidth on 100K tokens x 8 heads x 128.
+A torch.profiler trace of one eager decode step counts host-to-device copies, syncs and launches.
+
+    python3 bench/serve.py --out bench/results/serve.md
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from oscar_core import kvstore
+from oscar_core.cache import OscarCache, memory_plan
+from oscar_core.decode_graph import GreedyDecoder
+from oscar_core.triton import write
+
+GIB = 2 ** 30
+SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "aten::_local_scalar_dense"}
+
+
+def qwen3_8b(layers: int):
+    import transformers as tf
+
+    config = tf.Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                            max_position_embeddings=131072, rope_theta=1e6, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def random_bundle(layers: int, kv_heads: int = 8, d: int = 128):
+    """The bundle fields OscarCache reads: random orthogonal R_K, R_V, means and clips per layer."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tensors = {}
+    for i in range(layers):
+        for side, clip in (("key", 0.96), ("value", 0.92)):
+            a = torch.randn(kv_heads, d, d, generator=gen, device="cuda", dtype=torch.float32)
+            tensors[(i, f"{side}_rotation")] = torch.linalg.qr(a)[0].contiguous()
+            tensors[(i, f"{side}_mean")] = 0.1 * torch.randn(kv_heads, d, generator=gen, device="cuda")
+            tensors[(i, f"{side}_clip")] = torch.full((kv_heads,), clip, device="cuda")
+    manifest = SimpleNamespace(
+        name="random", model=SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=d),
+        quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=64, recent_tokens=256))
+    return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get((i, name)))
+
+
+def random_kv(batch: int, context: int, seed: int = 0):
+    """Post-RoPE-like keys and values [B, 8, context, 128] bf16: one sequence's data, the batch a broadcast view."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(8, context, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(8, context, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return k[None].expand(batch, -1, -1, -1), v[None].expand(batch, -1, -1, -1)
+
+
+def make_cache(arm: str, model, bundle, batch: int, context: int, steps: int):
+    """A cache of `arm` holding `context` synthetic tokens per sequence, room for `steps` more."""
+    from transformers import DynamicCache, StaticCache
+
+    layers = model.config.num_hidden_layers
+    k, v = random_kv(batch, context)
+    if arm == "bf16-dynamic":
+        cache = DynamicCache()
+        for i in range(layers):
+            cache.update(k.clone(), v.clone(), i)
+    elif arm in ("bf16-static", "bf16-flash"):
+        cache = StaticCache(config=model.config, max_cache_len=context + steps + 8)
+        pos = torch.arange(context, device="cuda")
+        for i in range(layers):
+            cache.update(k, v, i, {"cache_position": pos})
+    else:
+        cache = OscarCache(bundle, "oscar", capacity=context + steps + 8)
+        for i in range(layers):
+            cache.update(k, v, i)              # outside oscar_attention: written at once, Triton append
+    torch.cuda.synchronize()
+    return cache
+
+
+def flash_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """bf16-flash: SDPA over every slot of the static buffers, GQA in the kernel, no mask."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def attention_for(arm: str, model):
+    """bf16-flash routes attention to flash_attention (the name avoids "flash": transformers reads that
+    as a hub kernel); every other arm keeps the model's sdpa (OscarCache's arms route inside GreedyDecoder)."""
+    from contextlib import nullcontext
+
+    from oscar_core.statistics import route_attention
+
+    return route_attention(model, "bench_gqa_sdpa", flash_attention) if arm == "bf16-flash" else nullcontext()
+
+
+def time_decode(model, cache, arm: str, batch: int, steps: int, warmup: int = 2) -> dict:
+    """Mean ms per decode step over `steps` steps after warm-up (CUDA events around all of them)."""
+    ids = torch.full((batch, 1), 11, dtype=torch.long, device="cuda")
+    graph = arm.endswith("graph") or arm in ("bf16-static", "bf16-flash")
+    with attention_for(arm, model), GreedyDecoder(model, cache, ids, max_new_tokens=steps + warmup + 4) as dec:
+        if graph:
+            dec.capture(warmup)
+        else:
+            for _ in range(warmup):
+                dec.step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            dec.replay() if graph else dec.step()
+        end.record()
+        torch.cuda.synchronize()
+        tokens = dec.tokens[:, :dec.produced].cpu()
+    ms = start.elapsed_time(end) / steps
+    return dict(ms=ms, tokens_per_s=batch * 1e3 / ms, tokens=tokens)
+
+
+def run_point(model, bundle, arm: str, batch: int, context: int, steps: int) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    row = dict(arm=arm, batch=batch, context=context)
+    try:
+        t0 = time.perf_counter()
+        cache = make_cache(arm, model, bundle, batch, context, steps + 8)
+        row["fill_s"] = time.perf_counter() - t0
+        row |= time_decode(model, cache, arm, batch, steps)
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        if isinstance(cache, OscarCache):
+            row["cache_gib"] = cache.nbytes() / GIB
+        del cache
+    except Exception as e:  # an arm that does not fit or fails is reported, not fatal
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def time_prefill(model, bundle, arm: str, context: int, batch: int = 1) -> dict:
+    from transformers import DynamicCache
+
+    from oscar_core.cache import oscar_attention
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(0, 1000, (batch, context), device="cuda")
+    out = {}
+    with torch.inference_mode():
+        for rep in range(2):                       # the first run compiles the Triton kernels
+            cache = DynamicCache() if arm == "bf16-dynamic" else OscarCache(bundle, "oscar", capacity=context + 64)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if isinstance(cache, OscarCache):
+                with oscar_attention(model, cache):
+                    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            else:
+                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+            out = dict(arm=arm, context=context, batch=batch, s=time.perf_counter() - t0,
+                       peak_gib=torch.cuda.max_memory_allocated() / GIB)
+            del cache
+    print(json.dumps(out), flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_write_kernels(bandwidth: float, tokens: int = 100_000, heads: int = 8, d: int = 128) -> dict:
+    """write_int2 on one side of 100K x 8 x 128, and append_kv of a 100K-token prefill (K and V) into a store."""
+    from triton.testing import do_bench
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rot = torch.linalg.qr(torch.randn(heads, d, d, generator=gen, device="cuda"))[0].contiguous()
+    mean = torch.randn(heads, d, generator=gen, device="cuda")
+    clip = torch.full((heads,), 0.96, device="cuda")
+    x = torch.randn(tokens, heads, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    ref = kvstore.write_int2(x[:4096], rot, clip, 64, mean)
+    got = write.write_int2(x[:4096], rot, clip, 64, mean)
+    same = min((a == b).float().mean().item() for a, b in zip(got, ref))
+    out = {}
+    per_token = heads * (d * 2 + d // 4 + 2 * d // 64)            # bf16 in, codes + scale + zero out
+    for block_t in (32, 64, 128):
+        for waves in (2, 4, 8):
+            ms = do_bench(lambda: write.write_int2(x, rot, clip, 64, mean, block_t=block_t, waves=waves),
+                          warmup=10, rep=50, return_mode="median")
+            out[f"write_int2 bt{block_t} w{waves}"] = dict(ms=ms, gbps=tokens * per_token / ms / 1e6)
+    k = x.view(tokens, heads, d).transpose(0, 1)[None]             # [1, 8, T, d] with token stride 8·d
+    split = write.prepare_rotation(rot, mean)
+    store = kvstore.empty_cache(1, heads, d, tokens, device="cuda")
+    store.lengths.fill_(tokens)
+    for block_t in (64, 128):
+        ms = do_bench(lambda: write.append_kv(store, k, k, split, split, clip, clip, evict=False, block_t=block_t),
+                      warmup=10, rep=50, return_mode="median")
+        out[f"append_kv prefill K+V bt{block_t}"] = dict(ms=ms, gbps=2 * tokens * per_token / ms / 1e6)
+    out["codes equal to reference (first 4096 tokens)"] = same
+    out["copy bandwidth GB/s"] = bandwidth / 1e9
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def copy_bandwidth() -> float:
+    from triton.testing import do_bench
+
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=5, rep=20, return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def profile_step(model, bundle, arm: str, batch: int = 1, context: int = 4096) -> dict:
+    """Counts over one eager decode step (after warm-up): host-to-device copies, syncs, launches."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cache = make_cache(arm, model, bundle, batch, context, 16)
+    ids = torch.full((batch, 1), 11, dtype=torch.long, device="cuda")
+    with attention_for(arm, model), GreedyDecoder(model, cache, ids, max_new_tokens=8) as dec:
+        dec.step()
+        dec.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("decode_step"):
+                dec.step()
+            torch.cuda.synchronize()
+    events = prof.events()
+    step = next(e for e in events if e.name == "decode_step").time_range
+
+    def count(*keys, inside=True):
+        """Events named like `keys`; host-side ones only inside the step (not the closing synchronize)."""
+        return sum(1 for e in events if any(k in e.name for k in keys) and (
+            not inside or (step.start <= e.time_range.start and e.time_range.end <= step.end)))
+
+    out = dict(arm=arm, batch=batch, context=context,
+               htod_copies=count("Memcpy HtoD", inside=False), dtoh_copies=count("Memcpy DtoH", inside=False),
+               syncs=sum(1 for e in events if e.name in SYNCS and step.start <= e.time_range.start
+                         and e.time_range.end <= step.end),
+               item_calls=count("aten::_local_scalar_dense"),
+               launches=count("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    out["top_cpu_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    out["top_cuda_ops"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12)
+    print(out["top_cuda_ops"], flush=True)
+    out["step_cpu_ms"] = (step.end - step.start) / 1e3
+    print(json.dumps({k: v for k, v in out.items() if k != "top_cpu_ops"}), flush=True)
+    print(out["top_cpu_ops"], flush=True)
+    del cache, dec, prof
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--points", default="32768x8,102400x4,4096x1", help="context x batch, comma separated")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--max-batch-context", type=int, default=102400)
+    p.add_argument("--max-batch-cap", type=int, default=None, help="smoke runs: bound the max-batch points")
+    p.add_argument("--prefill", default="8192,32768")
+    p.add_argument("--out", default="bench/results/serve.md")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    props = torch.cuda.get_device_properties(0)
+    t0 = time.perf_counter()
+    model = qwen3_8b(args.layers)
+    bundle = random_bundle(args.layers)
+    weights = torch.cuda.memory_allocated()
+    res = dict(device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
+               torch=torch.__version__, layers=args.layers, steps=args.steps, build_s=time.perf_counter() - t0,
+               date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    import transformers
+    import triton
+    res["versions"] = f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
+    print(json.dumps(res), flush=True)
+    res["profile"] = [profile_step(model, bundle, a) for a in ("bf16-dynamic", "int2-eager")]
+    res["profile"] += [profile_step(model, bundle, a, 4, 102400) for a in ("bf16-flash", "int2-eager")]
+    bw = copy_bandwidth()
+    res["write"] = bench_write_kernels(bw)
+    res["prefill"] = []
+    for context in map(int, args.prefill.split(",")):
+        for arm in ("bf16-dynamic", "int2-eager"):
+            res["prefill"].append(time_prefill(model, bundle, arm, context))
+    res["points"] = []
+    for point in args.points.split(","):
+        context, batch = map(int, point.split("x"))
+        arms = ("bf16-dynamic", "int2-eager") if context <= 8192 else \
+            ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
+        for arm in arms:
+            res["points"].append(run_point(model, bundle, arm, batch, context, args.steps))
+    # The largest batch at this context that fits beside the weights (2 GiB kept for activations and work).
+    budget = props.total_memory - weights - 2 * GIB
+    plan = memory_plan(args.layers, 8, 128, args.max_batch_context + args.steps + 16, budget)
+    res["plan"] = plan | dict(budget_gib=budget / GIB)
+    print(json.dumps(res["plan"]), flush=True)
+    cap = args.max_batch_cap or 10 ** 9
+    for arm, batch in (("bf16-flash", min(cap, plan["bf16_max_batch"])), ("int2-graph", min(cap, plan["max_batch"]))):
+        done = [r for r in res["points"] if (r["arm"], r["batch"], r["context"]) == (arm, batch, args.max_batch_context)]
+        if done:
+            done[0]["max_batch"] = True
+            continue
+        res["points"].append(run_point(model, bundle, arm, batch, args.max_batch_context, max(4, args.steps // 2)) |
+                             dict(max_batch=True))
+    for row in res["points"]:
+        row.pop("tokens", None)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(render(res))
+    print(render(res))
+
+
+def render(res: dict) -> str:
+    lines = [f"# Serving: decode steps through BF16 caches and the INT2 OscarCache ({res['device']})", "",
+             f"- {res['date']}; {res['versions']}; model: random-initialised Qwen3-8B shapes, {res['layers']} layers, "
+             f"weights {res['weights_gib']:.1f} GiB of {res['total_gib']:.1f} GiB", "",
+             "| context x batch | arm | ms / step | tokens/s | peak GiB | note |", "|---|---|---|---|---|---|"]
+    for r in res["points"]:
+        note = r.get("error", "") + (" max batch" if r.get("max_batch") else "")
+        ms = f"{r['ms']:.2f}" if "ms" in r else "-"
+        tps = f"{r['tokens_per_s']:.0f}" if "ms" in r else "-"
+        peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
+        lines.append(f"| {r['context']} x {r['batch']} | {r['arm']} | {ms} | {tps} | {peak} | {note} |")
+    lines += ["", "Prefill through the model (batch 1, second run):", "", "| context | arm | s | peak GiB |",
+              "|---|---|---|---|"]
+    lines += [f"| {r['context']} | {r['arm']} | {r['s']:.3f} | {r['peak_gib']:.1f} |" for r in res["prefill"]]
+    lines += ["", "Write kernels (100K tokens x 8 heads x 128):", "", "| kernel | ms | GB/s |", "|---|---|---|"]
+    lines += [f"| {k} | {v['ms']:.3f} | {v['gbps']:.0f} |" for k, v in res["write"].items() if isinstance(v, dict)]
+    lines += ["", "One eager decode step, torch.profiler counts:", "",
+              "| arm | host-to-device copies | device-to-host copies | syncs | item() | launches | host ms |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['arm']} ({r['context']} x {r['batch']}) | {r['htod_copies']} | {r['dtoh_copies']} | {r['syncs']} "
+              f"| {r['item_calls']} | {r['launches']} | {r['step_cpu_ms']:.2f} |" for r in res["profile"]]
+    lines += ["", f"Memory plan: `{json.dumps(res['plan'])}`", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
