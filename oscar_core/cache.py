@@ -127,9 +127,11 @@ class OscarLayer(DynamicLayer):
     """One layer of an OscarCache; its stores are made on the first update, from the shapes it sees."""
 
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
-                 sequences: Sequences | None = None, kernel_writes: bool | None = None):
+                 sequences: Sequences | None = None, kernel_writes: bool | None = None,
+                 query_heads: int | None = None):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
+        self.query_heads = query_heads
         self.sink_tokens, self.recent_tokens = sink, recent
         self.sequences = sequences or Sequences()
         self.kernel_writes = kernel_writes    # None: on CUDA
@@ -149,7 +151,7 @@ class OscarLayer(DynamicLayer):
                 raise OscarError(f"bundle {self.bundle.manifest.name} is for {m.num_kv_heads} KV heads of dim "
                                  f"{m.head_dim}; this model has {kv_heads} of dim {head_dim}")
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
-        self.kernel_problem = kernel_problem(lm, head_dim)
+        self.kernel_problem = kernel_problem(lm, kv_heads, head_dim, self.query_heads)
         if store_problem(lm) is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
@@ -336,8 +338,12 @@ class OscarCache(Cache):
         recent = recent if recent_tokens is None else recent_tokens
         self.method, self.kernel_reads, self.bundle = method, kernel_reads, bundle
         self.sequences = Sequences(capacity)
-        super().__init__(layers=[OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes)
-                                 for i in range(num_layers)])
+        if bundle is not None:
+            query_heads = bundle.manifest.model.num_heads
+        else:
+            query_heads = config.get_text_config().num_attention_heads if config is not None else None
+        super().__init__(layers=[OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes,
+                                            query_heads) for i in range(num_layers)])
 
     def reserve(self, tokens: int) -> None:
         """Grow every store to hold `tokens` per sequence now (before a CUDA-graph capture)."""
@@ -401,13 +407,19 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     return out
 
 
-def kernel_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
-    """Why the decode kernel cannot read a layer of this method (None: it can)."""
+def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_heads: int | None = None) -> str | None:
+    """Why the decode kernel cannot read a layer of this method (None: it can); query_heads None: not known."""
     problem = store_problem(lm)
     if problem is not None:
         return problem
-    if head_dim % 64 or any(side.group_size % 64 for side in (lm.key, lm.value)):
-        return "the kernel needs head_dim and group sizes that are multiples of 64"
+    try:
+        from oscar_core.triton.decode import check_shape
+    except ImportError:
+        return "triton is not installed"
+    try:
+        check_shape(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -424,6 +436,9 @@ def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
         return n >= 4 and n & (n - 1) == 0
     if not pow2(head_dim) or head_dim < 16 or not all(pow2(s.group_size) for s in (lm.key, lm.value)):
         return "the write kernel needs power-of-two head_dim and group sizes"
+    if head_dim > 128:
+        # R split in two bf16 [d, d] tiles: 256 KiB of shared memory at d = 256, over the H100's 227 KiB
+        return "the write kernel holds R in shared memory up to head_dim 128"
     return None
 
 
