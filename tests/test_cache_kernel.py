@@ -27,13 +27,13 @@ if not torch.cuda.is_available() and not isinstance(write._append_kernel, triton
     write = importlib.reload(sys.modules["oscar_core.triton.write"])
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 64
 
 
 def tiny_llama():
     import transformers as tf
 
-    config = tf.LlamaConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+    config = tf.LlamaConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                             num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=256,
                             max_position_embeddings=256)
     config._attn_implementation = "sdpa"
@@ -52,7 +52,7 @@ def random_bundle(sink, recent):
             tensors[f"layers.{i}.{side}_mean"] = 0.1 * torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
             tensors[f"layers.{i}.{side}_clip"] = torch.full((KV_HEADS,), clip)
     manifest = SimpleNamespace(
-        name="random", model=SimpleNamespace(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),
+        name="random", model=SimpleNamespace(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),
         quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=sink, recent_tokens=recent))
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get(f"layers.{i}.{name}"))
 
@@ -246,3 +246,15 @@ def test_write_kernel_codes_equal_reference(d, group):
         got = write.write_int2(inp.to(DEVICE), rot.to(DEVICE), clip.to(DEVICE), group, mean.to(DEVICE), block_t=16)
         for a, b in zip(got, want):
             assert (a.cpu() == b).float().mean() >= 0.999
+
+
+def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
+    from oscar_core import methods
+    from oscar_core.cache import kernel_problem, write_problem
+
+    lm = methods.layer_method("int2", 0, 2, 256, None)
+    assert kernel_problem(lm, 2, 256, query_heads=16) is None
+    assert "16 query heads per KV head" in kernel_problem(lm, 2, 256, query_heads=40)
+    assert "head_dim 128" in write_problem(lm, 256)
+    lm = methods.layer_method("int2", 0, 2, 192, None)
+    assert "head_dim 64, 128 or 256" in kernel_problem(lm, 2, 192)
