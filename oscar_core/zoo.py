@@ -33,10 +33,12 @@ RECIPES_DIR = "recipes"
 BUNDLE_FILES = (TENSOR_FILE, MANIFEST_FILE)
 LOCAL_DATA = ("default", "default-heldout")
 PROVENANCE = ("tensors.sha256", "calibration.platform", "calibration.model_source")  # may differ between machines
-# |committed − rebuilt| allowed per verify figure (bench/results/reproducibility.md: measured across instruction
-# sets, with a margin, and below the spread between calibration seeds).
-VERIFY_MARGINS = {"logit_error": 2e-3, "hadamard_logit_error": 2e-3, "output_error": 2e-3,
-                  "hadamard_output_error": 2e-3, "kl": 2e-3, "top1_agreement": 1e-2}
+# |committed − rebuilt| allowed per verify figure. Measured across instruction sets (bench/results/reproducibility.md):
+# the errors did not move at the recorded 4 digits, KL moved 2e-4, top-1 agreement one token in 1,023 (9e-4);
+# margins are about 10x that (10 rounding steps for the errors). Seeds move these figures little (<= 2e-3):
+# verify shows the rebuild performs as recorded; telling seeds apart is the tensors' job.
+VERIFY_MARGINS = {"logit_error": 1e-3, "hadamard_logit_error": 1e-3, "output_error": 1e-3,
+                  "hadamard_output_error": 1e-3, "kl": 2e-3, "top1_agreement": 1e-2}
 
 
 class Recipe(BaseModel):

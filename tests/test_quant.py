@@ -1,7 +1,11 @@
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import capability_env, instruction_sets
 
 from oscar_core.quant import (bits_per_element, dequantize, fake_quantize, pack_int2, quantize, scale_from_code,
                               unpack_int2)
@@ -64,3 +68,13 @@ def test_bits_per_element():
 def test_bad_group_size():
     with pytest.raises(ValueError):
         quantize(torch.randn(3, 60), 64)
+
+
+@pytest.mark.parametrize("capability", instruction_sets())
+def test_quantizer_tests_pass_under_each_instruction_set(capability):
+    """This file and the INT2 store's tests, with torch dispatching to each CPU instruction set this machine has."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not instruction_set",
+                             "tests/test_quant.py", "tests/test_kvstore.py"], cwd=root, env=capability_env(capability),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
