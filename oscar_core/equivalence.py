@@ -80,7 +80,8 @@ def tensor_deviation(name: str, a: torch.Tensor, b: torch.Tensor, cov: torch.Ten
     if kind.endswith("_clip"):
         diff = (a.double() - b.double()).abs().reshape(-1)
         head = int(diff.argmax())
-        return float(diff[head]), f"{name} head {head} ({float(a.reshape(-1)[head]):g} vs {float(b.reshape(-1)[head]):g})"
+        values = f"{float(a.reshape(-1)[head]):g} vs {float(b.reshape(-1)[head]):g}"
+        return float(diff[head]), f"{name} head {head} ({values})"
     return relative_deviation(a, b), name
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Manifest
+from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest
 from oscar_core.equivalence import COVARIANCE_OF, Deviation, figure_deviations, json_differences, tensor_deviations
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
@@ -33,8 +33,8 @@ RECIPES_DIR = "recipes"
 BUNDLE_FILES = (TENSOR_FILE, MANIFEST_FILE)
 LOCAL_DATA = ("default", "default-heldout")
 PROVENANCE = ("tensors.sha256", "calibration.platform", "calibration.model_source")  # may differ between machines
-# |committed − rebuilt| allowed per verify figure. Measured across instruction sets (bench/results/reproducibility.md):
-# the errors did not move at the recorded 4 digits, KL moved 2e-4, top-1 agreement one token in 1,023 (9e-4);
+# |committed − rebuilt| allowed per verify figure. Measured across instruction sets
+# (bench/results/reproducibility.md): the errors did not move at the recorded 4 digits, KL moved 2e-4, top-1 agreement one token in 1,023 (9e-4);
 # margins are about 10x that (10 rounding steps for the errors). Seeds move these figures little (<= 2e-3):
 # verify shows the rebuild performs as recorded; telling seeds apart is the tensors' job.
 VERIFY_MARGINS = {"logit_error": 1e-3, "hadamard_logit_error": 1e-3, "output_error": 1e-3,
@@ -224,7 +224,7 @@ def rotation_covariances(calib_dir: Path, manifest: Manifest) -> dict:
             for kind, cov in COVARIANCE_OF.items()}
 
 
-def verify_deviations(committed: Path, rebuilt) -> tuple[list[Deviation], list[str]]:
+def verify_deviations(committed: Path, rebuilt: Bundle) -> tuple[list[Deviation], list[str]]:
     """The rebuilt bundle verified as `oscar verify --record` verified the committed one (same held-out data),
     its headline figures against the recorded ones; ([], []) when nothing was recorded or it ran on CUDA."""
     import json
@@ -248,7 +248,8 @@ def verify_deviations(committed: Path, rebuilt) -> tuple[list[Deviation], list[s
     return figure_deviations(recorded["figures"], measure_figures(loaded, rebuilt, ids), VERIFY_MARGINS), []
 
 
-def compare(committed: Path, rebuilt: Path, calib_dir: Path, run_verify: bool = True) -> tuple[str, list[Deviation], list[str]]:
+def compare(committed: Path, rebuilt: Path, calib_dir: Path,
+            run_verify: bool = True) -> tuple[str, list[Deviation], list[str]]:
     """(status, deviations, reasons) of a rebuild against the committed bundle: "same" when byte-identical,
     else "equivalent" or "differs" by the contract of the module doc."""
     from oscar_core.bundle import load_bundle

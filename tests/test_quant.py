@@ -74,7 +74,8 @@ def test_bad_group_size():
 def test_quantizer_tests_pass_under_each_instruction_set(capability):
     """This file and the INT2 store's tests, with torch dispatching to each CPU instruction set this machine has."""
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not instruction_set",
-                             "tests/test_quant.py", "tests/test_kvstore.py"], cwd=root, env=capability_env(capability),
+    tests = ["tests/test_quant.py", "tests/test_kvstore.py"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                             "not instruction_set", *tests], cwd=root, env=capability_env(capability),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

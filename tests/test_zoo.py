@@ -299,7 +299,8 @@ def test_verify_finds_a_local_model_by_its_hint_and_says_when_it_is_gone(tiny_mo
 
     model = Path(shutil.copytree(tiny_model, tmp_path / "model"))
     bundle = zoo.build_one(tiny_recipe_object(model), tmp_path / "zoo", tmp_path / "manifests", tmp_path / "work")
-    args = ["verify", str(bundle), "--data", str(tiny_model / "corpus.txt"), "--seq-len", "32", "--max-logit-error", "10"]
+    args = ["verify", str(bundle), "--data", str(tiny_model / "corpus.txt"), "--seq-len", "32",
+            "--max-logit-error", "10"]
     code, out = oscar(capfd, monkeypatch, *args)
     assert code == 0 and "model matches manifest" in out, out
     moved = model.rename(tmp_path / "moved")
@@ -317,7 +318,8 @@ def test_a_zoo_with_nothing_to_do_is_an_error(tmp_path, capfd, monkeypatch, comm
     assert code == 1 and out.strip() == f"error: zoo directory not found: {tmp_path / 'absent'}"
     (tmp_path / "empty").mkdir()
     code, out = oscar(capfd, monkeypatch, "zoo", command, "--zoo", str(tmp_path / "empty"), *args)
-    assert code == 1 and out.strip() == f"error: no recipes in {tmp_path / 'empty' / 'recipes'}: nothing to build or check"
+    recipes = tmp_path / "empty" / "recipes"
+    assert code == 1 and out.strip() == f"error: no recipes in {recipes}: nothing to build or check"
     write_recipe(tmp_path / "empty", "gone", name="a/gone", version="v1", model=str(tmp_path / "nope"), samples=2,
                  seq_len=32)
     code, out = oscar(capfd, monkeypatch, "zoo", command, "--zoo", str(tmp_path / "empty"), *args)

@@ -91,7 +91,8 @@ def _print_deviations(o: zoo_core.Outcome) -> None:
                             ("", "center"), ("at", "left")):
         table.add_column(header, justify=justify, overflow="fold")
     for d in o.deviations:
-        table.add_row(d.kind, f"{d.worst:.3g}", f"{d.tolerance:.3g}", "[green]✓[/]" if d.ok else "[red]✗[/]", d.where)
+        mark = "[green]✓[/]" if d.ok else "[red]✗[/]"
+        table.add_row(d.kind, f"{d.worst:.3g}", f"{d.tolerance:.3g}", mark, d.where)
     console.print(table)
 
 
