@@ -86,6 +86,10 @@ class CalibrationInfo(Strict):
     seq_len: int
     seed: int | None = Field(description="sampling seed; None when unknown (imported rotations)")
     tokens: int
+    model_source: str | None = Field(None, description="where the model was loaded from ('default', a path or a hub "
+                                                       "id): verify's hint when --model is not given")
+    platform: dict[str, str] | None = Field(None, description="provenance.platform_record() of the build: torch, "
+                                            "BLAS/LAPACK, CPU capability, Python, machine; absent in older bundles")
 
 
 class TensorFileInfo(Strict):

@@ -21,6 +21,7 @@ from oscar_core.data import DEFAULT_CALIBRATION, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes, atomic_write_json
 from oscar_core.models import gpu_memory, load_model, model_devices, resolve_device
+from oscar_core.provenance import model_source, platform_record
 from oscar_core.statistics import AttentionStatistics, observe_attention
 
 STATISTICS_FILE = "statistics.safetensors"
@@ -151,6 +152,7 @@ def _calibrate(req, out_dir, device, group, on_progress, on_loaded, loaded) -> d
             "samples": req.samples, "seq_len": req.seq_len, "seed": req.seed, "batch_size": req.batch_size,
             "device": device, "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
             "tool_version": __version__, "samples_done": 0, "tokens": 0, "complete": False,
+            "model_source": model_source(req.model), "platform": platform_record(device),
         }
         if group.world > 1 or len(model_devices(loaded.model)) > 1:
             record["processes"] = group.world

@@ -15,6 +15,7 @@ from oscar_core.calibration import read_layer_statistics, read_record, read_stat
 from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
+from oscar_core.provenance import platform_record
 from oscar_core.quant import bits_per_element
 from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error
 
@@ -163,7 +164,8 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
                               key_centering=opts.key_centering, value_centering=opts.value_centering),
         calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
                                     samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
-                                    tokens=record["tokens"]),
+                                    tokens=record["tokens"], model_source=record.get("model_source"),
+                                    platform=platform_record(record.get("device", "cpu"))),
         tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
     )
     if not re.fullmatch(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+", manifest.name):

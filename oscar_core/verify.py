@@ -160,6 +160,28 @@ def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool, compare
     return report
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """Average per-sample reports (same layers and heads) into one."""
+    first = reports[0]
+    avg = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    layers = [{k: (v if k in ("layer", "kv_head") else avg([r["layers"][i][k] for r in reports]))
+               for k, v in row.items()} for i, row in enumerate(first["layers"])]
+    merged = {"path": first["path"], "layers": layers,
+              "mean": {k: avg([r["mean"][k] for r in reports]) for k in first["mean"]},
+              "end_to_end": {k: avg([r["end_to_end"][k] for r in reports]) for k in first["end_to_end"]}}
+    if "decode_kernel_error" in first:
+        merged["decode_kernel_error"] = [avg(v) for v in zip(*(r["decode_kernel_error"] for r in reports))]
+    if "compare" in first:
+        merged["compare"] = merge_reports([{"path": r["path"], **r["compare"]} for r in reports])
+        del merged["compare"]["path"]
+    return merged
+
+
+def measure_figures(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool = False) -> dict[str, float]:
+    """The headline figures of a verify run over the samples ids [n, T] (what `oscar verify --record` keeps)."""
+    return headline(merge_reports([verify(loaded, bundle, ids[i:i + 1], use_kernels) for i in range(ids.shape[0])]))
+
+
 def headline(report: dict) -> dict[str, float]:
     """The figures a zoo table or model card shows, rounded: OSCAR vs Hadamard, and end to end."""
     mean, e2e = report["mean"], report["end_to_end"]
@@ -181,8 +203,12 @@ def recorded_figures(bundle_dir) -> dict[str, float] | None:
         return None
 
 
-def resolve_model_spec(model: str | None, manifest_model: ModelInfo) -> str | None:
-    """The model to verify against: --model, else the embedded default when the manifest names it, else its id."""
+def resolve_model_spec(model: str | None, manifest_model: ModelInfo, source: str | None = None) -> str | None:
+    """The model to verify against: --model; else the embedded default when the manifest names it; else where
+    calibration loaded it from (`source`, the manifest's calibration.model_source) while that path exists; else
+    the hub id. A local model (a directory or file, not on the hub) with no path left to it is an error."""
+    from pathlib import Path
+
     from oscar_core.models import DEFAULT_MODEL, DEFAULT_MODEL_ID, default_gguf_path
     from oscar_core.fileio import sha256_file
 
@@ -194,4 +220,14 @@ def resolve_model_spec(model: str | None, manifest_model: ModelInfo) -> str | No
                 return DEFAULT_MODEL
         except OscarError:
             pass
+    if source and Path(source).is_absolute():
+        if Path(source).exists():
+            return source
+        raise OscarError(f"the model of this bundle was loaded from {source}, which no longer exists: "
+                         "pass --model (a directory, .gguf file or hub id)")
+    if source and source != DEFAULT_MODEL:
+        return source
+    if manifest_model.revision is None and manifest_model.file_sha256 and manifest_model.id != DEFAULT_MODEL_ID:
+        raise OscarError(f"the bundle was calibrated on a local model ({manifest_model.id}) and records no path to "
+                         "it: pass --model (a directory, .gguf file or hub id)")
     return manifest_model.id

@@ -40,3 +40,22 @@ def run_cli(capfd, monkeypatch, *args: str) -> tuple[int, str]:
         main()
     out, err = capfd.readouterr()
     return exit_info.value.code, out + err
+
+
+def instruction_sets() -> list[str]:
+    """The ATEN_CPU_CAPABILITY settings the suite exercises: the portable default, AVX2 and this CPU's own."""
+    return sorted({"default", "avx2", torch.backends.cpu.get_cpu_capability().lower()})
+
+
+def capability_env(capability: str) -> dict:
+    """os.environ with torch dispatching to `capability`; skips the test where this CPU cannot run it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True)
+    if probe.stdout.strip().lower() != capability:
+        pytest.skip(f"this CPU cannot run {capability} (torch dispatches to {probe.stdout.strip()})")
+    return env

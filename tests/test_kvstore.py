@@ -27,7 +27,9 @@ def test_write_read_roundtrip():
     assert scale.shape == zero.shape == (50, heads, 2) and zero.dtype == torch.int8
     back = kvstore.read_int2(packed, scale, zero, 64)
     y = kvstore.rotate(x, rot, mean)
-    assert torch.equal(back, quant.fake_quantize(y, 64, clip[None, :]))
+    codes, scale_ref, zero_ref = quant.quantize(y, 64, clip[None, :])  # integer codes: exact
+    assert torch.equal(quant.unpack_int2(packed), codes) and torch.equal(scale, scale_ref) and torch.equal(zero, zero_ref)
+    torch.testing.assert_close(back, quant.fake_quantize(y, 64, clip[None, :]), rtol=1e-6, atol=0)
     original = torch.einsum("the,hde->thd", back, rot) + mean
     assert torch.allclose(kvstore.rotate(original, rot, mean), back, atol=1e-4)
     assert (back - y).norm() / y.norm() < 0.7  # INT2 of Gaussian data, clipped

@@ -272,7 +272,8 @@ def test_a_hadamard_bundle_is_not_exported_as_r_h_pbr(exported, tmp_path):
 
 
 def test_verify_table_shows_the_other_bundle_beside_ours(capsys):
-    from oscar_cli.commands.verify import _merge, _print_report
+    from oscar_cli.commands.verify import _print_report
+    from oscar_core.verify import merge_reports
 
     def sample(shift):
         rows = [{"layer": l, "kv_head": h, "oscar_key": 0.1 + l + shift, "oscar_value": 0.2, "hadamard_key": 0.3,
@@ -282,7 +283,7 @@ def test_verify_table_shows_the_other_bundle_beside_ours(capsys):
         return {"path": "torch reference", "layers": rows, "mean": mean(rows), "end_to_end": {"kl": 0.01, "top1_agreement": 0.9},
                 "compare": {"layers": other, "mean": mean(other), "end_to_end": {"kl": 0.03 + shift, "top1_agreement": 0.8}}}
 
-    report = _merge([sample(0.0), sample(0.02)])
+    report = merge_reports([sample(0.0), sample(0.02)])
     assert abs(report["compare"]["mean"]["oscar_key"] - 0.71) < 1e-12 and abs(report["compare"]["end_to_end"]["kl"] - 0.04) < 1e-12
     report.update(passed=True, max_logit_error=0.5)
     report["compare"].update(name="org/model", version="upstream-seq1_prompt1_group8", bundle="imported/x")

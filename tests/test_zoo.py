@@ -4,11 +4,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import capability_env, instruction_sets, run_cli
 import torch
 
 from oscar_core import zoo
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE
+from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, load_bundle, write_bundle
 from oscar_core.errors import OscarError
 from tiny_bundle import write_tiny_bundle
 
@@ -139,7 +139,7 @@ def test_build_then_check_then_tamper(tiny_model, roots, tmp_path, capfd, monkey
     (bundle / TENSOR_FILE).write_bytes(bytes(data))
     code, out = oscar(capfd, monkeypatch, "zoo", "check", *args)
     assert code == 1
-    assert f"differs local/tiny v1: {TENSOR_FILE} differs" in out
+    assert "differs local/tiny v1: checksum mismatch" in out
     assert out.strip().splitlines()[-1] == "error: 1 bundle(s) do not match their recipe: local/tiny v1"
 
 
@@ -176,13 +176,174 @@ def test_list_shows_figures_recorded_by_verify(roots, capfd, monkeypatch):
     assert code == 0 and "kl 0.0131" in row and "logit_error 0.1885" in row
 
 
+def tiny_recipe_object(model: Path, seed: int = 0) -> zoo.Recipe:
+    return zoo.Recipe(name="local/tiny", version="v1", model=str(model), data=str(model / "corpus.txt"), samples=2,
+                      seq_len=32, seed=seed, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """The tiny recipe built twice with seed 0 ("a", "b") and once with seed 1: (bundle, calibration directory)."""
+    root = tmp_path_factory.mktemp("built")
+    out = {}
+    for tag, seed in (("a", 0), ("b", 0), ("seed1", 1)):
+        recipe = tiny_recipe_object(tiny_model, seed)
+        path = zoo.build_one(recipe, root / tag / "zoo", root / tag / "manifests", root / tag / "work")
+        out[tag] = (path, zoo.calibration_dir(root / tag / "work", recipe))
+    return out
+
+
+def test_a_rebuild_on_the_same_machine_is_byte_identical(built):
+    (a, _), (b, calib) = built["a"], built["b"]
+    assert zoo.differences(a, b) == []
+    assert zoo.compare(a, b, calib) == ("same", [], [])
+
+
+def test_the_manifest_records_the_platform_and_the_model_source(built, tiny_model):
+    import platform
+
+    m = load_bundle(built["a"][0]).manifest
+    assert m.calibration.model_source == str(tiny_model.resolve())
+    p = m.calibration.platform
+    assert p["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and p["torch"] == torch.__version__
+    assert p["python"] == platform.python_version() and p["machine"] == platform.machine()
+    assert p["blas"] and p["lapack"] and p["processor"] and p["device"] == "cpu"
+
+
+def write_variant(src: Path, dst: Path, edit=None, manifest=None) -> Path:
+    """A copy of the bundle at src with its tensors edited in place by edit(tensors), checksum rewritten."""
+    b = load_bundle(src)
+    tensors = {k: v.clone() for k, v in b.tensors.items()}
+    if edit:
+        edit(tensors)
+    write_bundle(dst, manifest or b.manifest, tensors)
+    return dst
+
+
+def one_grid_step(t):
+    c = t["layers.0.key_clip"]
+    c[0] = c[0] - 0.02 if c[0] > 0.81 else c[0] + 0.02
+
+
+def swap_layers(t):
+    for name in [n for n in t if n.startswith("layers.0.")]:
+        other = name.replace("layers.0.", "layers.1.")
+        t[name], t[other] = t[other], t[name]
+
+
+def perturb_rotation(t):
+    """R·exp(εA), A antisymmetric: still orthogonal (verify's check passes), each entry moved by at most 1e-3."""
+    r = t["layers.1.value_rotation"].double()
+    a = torch.randn(r.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    a = a - a.mT
+    eps = 1e-3 / float((r @ a).abs().amax())
+    t["layers.1.value_rotation"] = (r @ torch.linalg.matrix_exp(eps * a)).float()
+    assert 0.5e-3 < float((t["layers.1.value_rotation"] - r).abs().amax()) < 2e-3
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (one_grid_step, "key_clip deviates by 0.02 at layers.0.key_clip head 0"),
+    (swap_layers, "key_rotation deviates"),
+    (perturb_rotation, "value_rotation deviates"),
+])
+def test_a_tampered_bundle_fails_with_a_one_line_reason(built, tmp_path, edit, reason):
+    (a, calib) = built["a"]
+    tampered = write_variant(a, tmp_path / "t", edit)
+    status, deviations, reasons = zoo.compare(tampered, a, calib)
+    assert status == "differs" and any(reason in r for r in reasons), reasons
+    assert all("\n" not in r for r in reasons)
+    assert {d.kind for d in deviations} >= {"key_rotation", "value_rotation", "key_clip", "value_clip", "key_mean"}
+
+
+def test_another_calibration_seed_is_not_equivalent(built, tmp_path):
+    """Seed 1's tensors fail even under seed 0's manifest: the tolerances sit below the seed-to-seed spread."""
+    (a, calib), (seed1, _) = built["a"], built["seed1"]
+    status, _, reasons = zoo.compare(seed1, a, calib)
+    assert status == "differs" and "manifest calibration.seed: 1 ≠ 0" in reasons
+    disguised = write_variant(seed1, tmp_path / "d", manifest=load_bundle(a).manifest)
+    status, deviations, reasons = zoo.compare(disguised, a, calib)
+    assert status == "differs" and not any(r.startswith("manifest") for r in reasons)
+    failed = {d.kind for d in deviations if not d.ok}
+    assert {"key_rotation", "value_rotation", "key_mean"} <= failed, reasons
+
+
+def test_provenance_alone_is_equivalent_and_verify_figures_are_held_to_the_record(built, tiny_model, tmp_path,
+                                                                                    capfd, monkeypatch):
+    """A bundle that differs from the rebuild only in platform provenance is equivalent; a verify.json left by
+    `oscar verify --record` is then reproduced on the rebuild, and a figure moved past its margin fails."""
+    import json
+
+    (a, calib) = built["a"]
+    m = load_bundle(a).manifest
+    other = m.model_copy(update={"calibration": m.calibration.model_copy(
+        update={"platform": {**m.calibration.platform, "cpu_capability": "AVX512", "processor": "elsewhere"}})})
+    committed = write_variant(a, tmp_path / "c", manifest=other)
+    status, deviations, reasons = zoo.compare(committed, a, calib)
+    assert (status, reasons) == ("equivalent", []) and all(d.worst == 0 for d in deviations)
+
+    code, out = oscar(capfd, monkeypatch, "verify", str(committed), "--data", str(tiny_model / "corpus.txt"),
+                      "--seq-len", "32", "--max-logit-error", "10", "--record")
+    assert code == 0, out
+    status, deviations, reasons = zoo.compare(committed, a, calib)
+    figures = {d.kind: d for d in deviations if d.kind.startswith("verify")}
+    assert status == "equivalent" and len(figures) == 6 and all(d.worst < 1e-4 for d in figures.values()), reasons
+    record = json.loads((committed / "verify.json").read_text())
+    record["figures"]["logit_error"] += 0.01
+    (committed / "verify.json").write_text(json.dumps(record))
+    status, _, reasons = zoo.compare(committed, a, calib)
+    assert status == "differs" and [r for r in reasons if r.startswith("verify logit_error deviates by 0.01")]
+
+
+def test_verify_finds_a_local_model_by_its_hint_and_says_when_it_is_gone(tiny_model, tmp_path, capfd, monkeypatch):
+    import shutil
+
+    model = Path(shutil.copytree(tiny_model, tmp_path / "model"))
+    bundle = zoo.build_one(tiny_recipe_object(model), tmp_path / "zoo", tmp_path / "manifests", tmp_path / "work")
+    args = ["verify", str(bundle), "--data", str(tiny_model / "corpus.txt"), "--seq-len", "32",
+            "--max-logit-error", "10"]
+    code, out = oscar(capfd, monkeypatch, *args)
+    assert code == 0 and "model matches manifest" in out, out
+    moved = model.rename(tmp_path / "moved")
+    code, out = oscar(capfd, monkeypatch, *args)
+    assert code == 1 and out.strip() == (f"error: the model of this bundle was loaded from {model}, which no longer "
+                                         "exists: pass --model (a directory, .gguf file or hub id)")
+    code, out = oscar(capfd, monkeypatch, *args, "--model", str(moved))
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("command", ["check", "build"])
+def test_a_zoo_with_nothing_to_do_is_an_error(tmp_path, capfd, monkeypatch, command):
+    args = ["--manifests", str(tmp_path)]
+    code, out = oscar(capfd, monkeypatch, "zoo", command, "--zoo", str(tmp_path / "absent"), *args)
+    assert code == 1 and out.strip() == f"error: zoo directory not found: {tmp_path / 'absent'}"
+    (tmp_path / "empty").mkdir()
+    code, out = oscar(capfd, monkeypatch, "zoo", command, "--zoo", str(tmp_path / "empty"), *args)
+    recipes = tmp_path / "empty" / "recipes"
+    assert code == 1 and out.strip() == f"error: no recipes in {recipes}: nothing to build or check"
+    write_recipe(tmp_path / "empty", "gone", name="a/gone", version="v1", model=str(tmp_path / "nope"), samples=2,
+                 seq_len=32)
+    code, out = oscar(capfd, monkeypatch, "zoo", command, "--zoo", str(tmp_path / "empty"), *args)
+    done = "checked" if command == "check" else "built"
+    assert code == 1 and out.strip().splitlines()[-1] == (
+        f"error: nothing was {done}: none of the 1 recipe(s) in {tmp_path / 'empty'} can be built here")
+
+
 @pytest.mark.slow
-def test_committed_default_bundle_rebuilds_byte_identical():
-    """`oscar zoo check` on the repo's own zoo: the committed default-model bundle is reproducible here."""
+@pytest.mark.parametrize("capability", instruction_sets())
+def test_committed_default_bundle_checks_under_each_instruction_set(capability):
+    """`oscar zoo check` on the repo's own zoo, with torch dispatching to each CPU instruction set this machine
+    has: the committed default bundle is byte-identical or numerically equivalent to the rebuild. The verify
+    run (minutes on 2 cores) is part of the first setting's check only, to keep the suite short."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", "from oscar_cli.app import main; main()", "zoo", "check"],
-                            cwd=root, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "SmolLM2-135M-Instruct" in result.stdout + result.stderr
+    env = {**capability_env(capability), "COLUMNS": "200"}
+    verify = [] if capability == instruction_sets()[0] else ["--no-verify"]
+    result = subprocess.run([sys.executable, "-c", "from oscar_cli.app import main; main()", "zoo", "check", *verify],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert ("same HuggingFaceTB/SmolLM2-135M-Instruct v1" in out
+            or "equivalent HuggingFaceTB/SmolLM2-135M-Instruct v1" in out), out
+    if "equivalent" in out:
+        assert "key_rotation" in out and ("verify logit_error" in out) == (not verify), out

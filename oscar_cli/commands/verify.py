@@ -12,8 +12,8 @@ from oscar_core.data import DEFAULT_HELDOUT, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_json
 from oscar_core.models import load_model, resolve_device
-from oscar_core.verify import (VERIFY_FILE, Check, check_model, check_tensors, first_failure, headline, resolve_model_spec,
-                               verify as measure)
+from oscar_core.verify import (VERIFY_FILE, Check, check_model, check_tensors, first_failure, headline, merge_reports,
+                               resolve_model_spec, verify as measure)
 
 EXAMPLES = """
 Examples:
@@ -56,7 +56,7 @@ def verify(
         _print_checks(checks)
         return
     device = resolve_device(device)
-    loaded = load_model(resolve_model_spec(model, m.model), device, dtype)
+    loaded = load_model(resolve_model_spec(model, m.model, m.calibration.model_source), device, dtype)
     checks.append(check_model(m.model, loaded.info))
     if other is not None:
         c = check_model(other.manifest.model, loaded.info)
@@ -72,12 +72,12 @@ def verify(
     with console.status(f"measuring INT2 attention error on {samples} × {seq_len} held-out tokens"):
         for i in range(ids.shape[0]):
             reports.append(measure(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda"), compare=other))
-    report = _merge(reports)
+    report = merge_reports(reports)
     threshold = m.max_logit_error if max_logit_error is None else max_logit_error
     if other is not None:
         report["compare"].update(bundle=str(other.path), name=other.manifest.name, version=other.manifest.version)
     report.update(bundle=str(b.path), name=m.name, version=m.version, data=data, data_fingerprint=fingerprint,
-                  samples=samples, seq_len=seq_len, device=device, max_logit_error=threshold,
+                  seed=seed, samples=samples, seq_len=seq_len, device=device, max_logit_error=threshold,
                   checks=[c.__dict__ for c in checks])
     report["passed"] = report["mean"]["oscar_key"] <= threshold
     _print_report(report)
@@ -85,7 +85,7 @@ def verify(
         atomic_write_json(json_out, report)
         console.print(f"report → {json_out}")
     if record:
-        summary = {k: report[k] for k in ("name", "version", "data", "data_fingerprint", "samples", "seq_len",
+        summary = {k: report[k] for k in ("name", "version", "data", "data_fingerprint", "samples", "seq_len", "seed",
                                           "device", "path", "passed")}
         atomic_write_json(b.path / VERIFY_FILE, {**summary, "figures": headline(report)})
         console.print(f"figures → {b.path / VERIFY_FILE}")
@@ -93,23 +93,6 @@ def verify(
         err_console.print(f"[bold red]error:[/] OSCAR mean logit error {report['mean']['oscar_key']:.4f} "
                           f"is above the threshold {threshold}")
         raise typer.Exit(1)
-
-
-def _merge(reports: list[dict]) -> dict:
-    """Average per-sample reports (same layers and heads) into one."""
-    first = reports[0]
-    avg = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    layers = [{k: (v if k in ("layer", "kv_head") else avg([r["layers"][i][k] for r in reports]))
-               for k, v in row.items()} for i, row in enumerate(first["layers"])]
-    merged = {"path": first["path"], "layers": layers,
-              "mean": {k: avg([r["mean"][k] for r in reports]) for k in first["mean"]},
-              "end_to_end": {k: avg([r["end_to_end"][k] for r in reports]) for k in first["end_to_end"]}}
-    if "decode_kernel_error" in first:
-        merged["decode_kernel_error"] = [avg(v) for v in zip(*(r["decode_kernel_error"] for r in reports))]
-    if "compare" in first:
-        merged["compare"] = _merge([{"path": r["path"], **r["compare"]} for r in reports])
-        del merged["compare"]["path"]
-    return merged
 
 
 def _print_checks(checks) -> None:

@@ -56,24 +56,44 @@ def _run(action, zoo: Path, manifests: Path):
 @app.command("build", epilog="Example:\n\n  oscar zoo build")
 def build(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
     """Rebuild every bundle whose model is available here; skip the others, saying why."""
-    for o in _run(zoo_core.build, zoo, manifests):
+    outcomes = _run(zoo_core.build, zoo, manifests)
+    for o in outcomes:
         line = f"{o.status} {o.recipe.name} {o.recipe.version}: {o.detail}"
         (console if o.status == "built" else err_console).print(line, highlight=False, soft_wrap=True)
+    if not any(o.status == "built" for o in outcomes):
+        raise OscarError(f"nothing was built: none of the {len(outcomes)} recipe(s) in {zoo} can be built here")
 
 
-@app.command("check", epilog="Example:\n\n  oscar zoo check")
-def check(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
-    """Rebuild every available bundle into a temporary directory; fail if one differs from the committed bytes."""
-    outcomes = _run(zoo_core.check, zoo, manifests)
+@app.command("check", epilog="Examples:\n\n  oscar zoo check\n\n  oscar zoo check --no-verify   # tensors and "
+                              "manifest only, skip the verify run")
+def check(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests"),
+          verify: Annotated[bool, typer.Option(help="Also verify a rebuild that is not byte-identical and hold its "
+                                                    "figures to the recorded verify.json.")] = True) -> None:
+    """Rebuild every available bundle into a temporary directory and hold it to the committed one: byte-identical,
+    or numerically equivalent (tolerances per tensor kind, printed); fail otherwise."""
+    outcomes = _run(lambda *a, **k: zoo_core.check(*a, **k, run_verify=verify), zoo, manifests)
     for o in outcomes:
+        if o.deviations:
+            _print_deviations(o)
         detail = f": {o.detail}" if o.detail else ""
         console.print(f"{o.status} {o.recipe.name} {o.recipe.version}{detail}", highlight=False, soft_wrap=True)
     bad = [o for o in outcomes if o.status in ("differs", "missing")]
     if bad:
         raise OscarError(f"{len(bad)} bundle(s) do not match their recipe: "
                          + ", ".join(f"{o.recipe.name} {o.recipe.version}" for o in bad))
-    if not any(o.status == "same" for o in outcomes):
-        console.print("nothing was checked: no recipe can be built here", highlight=False)
+    if not any(o.status in ("same", "equivalent") for o in outcomes):
+        raise OscarError(f"nothing was checked: none of the {len(outcomes)} recipe(s) in {zoo} can be built here")
+
+
+def _print_deviations(o: zoo_core.Outcome) -> None:
+    table = Table(title=f"{o.recipe.name} {o.recipe.version}: rebuild vs committed (not byte-identical)")
+    for header, justify in (("kind", "left"), ("largest deviation", "right"), ("tolerance", "right"),
+                            ("", "center"), ("at", "left")):
+        table.add_column(header, justify=justify, overflow="fold")
+    for d in o.deviations:
+        mark = "[green]✓[/]" if d.ok else "[red]✗[/]"
+        table.add_row(d.kind, f"{d.worst:.3g}", f"{d.tolerance:.3g}", mark, d.where)
+    console.print(table)
 
 
 def register(root: typer.Typer) -> None:
