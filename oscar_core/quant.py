@@ -13,6 +13,7 @@ If the group's offset is too large for z, the step is widened until it fits.
 This module is the ground truth that the Triton kernels are tested against.
 """
 
+import functools
 import math
 
 import torch
@@ -25,8 +26,17 @@ BF16_BITS = 16
 METADATA_BITS_PER_GROUP = 16
 
 
+@functools.cache
+def _steps(device: torch.device) -> torch.Tensor:
+    """2^((s − 128)/8) for every code s, correctly rounded to float32."""
+    steps = [2.0 ** ((s - SCALE_CODE_BIAS) / SCALE_CODES_PER_OCTAVE) for s in range(256)]
+    return torch.tensor(steps, dtype=torch.float32, device=device)
+
+
 def scale_from_code(scale_code: torch.Tensor) -> torch.Tensor:
-    return torch.exp2((scale_code.float() - SCALE_CODE_BIAS) / SCALE_CODES_PER_OCTAVE)
+    """The step of each scale code, looked up in a table: the same float32 for every shape and instruction set
+    (a vectorized exp2 rounds some codes differently from its scalar tail)."""
+    return _steps(scale_code.device)[scale_code.long()]
 
 
 def _scale_code(step: torch.Tensor, round_up: bool = False) -> torch.Tensor:

@@ -37,11 +37,8 @@ def test_clip_trades_range_for_resolution():
 
 
 def test_per_head_clip_broadcasts():
-    """A per-head clip tensor quantizes each head as its own float clip would: the same integer codes.
-
-    The dequantized floats are compared to a relative 1e-6, not bit for bit: exp2 of the scale code runs in
-    a vectorized kernel for one shape and in its scalar tail for another (AVX2 here), one ulp apart.
-    """
+    """A per-head clip tensor quantizes each head as its own float clip would: the same integer codes, and so
+    the same dequantized floats (steps come from a table; the rest is +, −, ×, ÷, each correctly rounded)."""
     x = torch.randn(10, 3, 64, generator=torch.Generator().manual_seed(0))
     clip = torch.tensor([1.0, 0.7, 0.9])
     codes, scale, zero = quantize(x, 64, clip)
@@ -50,7 +47,18 @@ def test_per_head_clip_broadcasts():
         one = quantize(x[:, h], 64, float(clip[h]))
         for a, b in zip((codes[:, h], scale[:, h], zero[:, h]), one):
             assert torch.equal(a, b)
-        torch.testing.assert_close(both[:, h], fake_quantize(x[:, h], 64, float(clip[h])), rtol=1e-6, atol=0)
+        assert torch.equal(both[:, h], fake_quantize(x[:, h], 64, float(clip[h])))
+
+
+def test_steps_are_exact_powers_for_every_shape():
+    """2^((s − 128)/8) correctly rounded to float32, whether looked up one code at a time or all at once."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    exact = torch.tensor([2.0 ** ((s - 128) / 8) for s in range(256)], dtype=torch.float64)
+    table = scale_from_code(codes)
+    assert torch.equal(table, exact.float())
+    assert all(float(scale_from_code(codes[s:s + 1])[0]) == float(table[s]) for s in range(256))
+    assert torch.equal(scale_from_code(codes.reshape(16, 16).float()), table.reshape(16, 16))
+    assert ((table.double() / exact - 1).abs() <= 2.0 ** -24).all()
 
 
 def test_far_off_centre_group_stays_bounded():
