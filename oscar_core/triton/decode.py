@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from oscar_core.kvstore import Int2KVCache
+from oscar_core.triton.write import dot
 
 LOG2E = 1.4426950408889634
 
@@ -105,14 +106,6 @@ def _unpack(packed, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, F32: tl.constexpr):
-    """tl.dot; with F32 on float32 copies (exact for bf16 inputs), for the CPU interpreter's numpy matmul."""
-    if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _query(q_ptr, rk_ptr, rows, cols, mask, h, D: tl.constexpr, ROTATE: tl.constexpr, F32: tl.constexpr):
     """q̃[rows, cols] in bf16, 0 where not mask: loaded (q_ptr holds q̃, _rotate_kernel's output) or, with
     ROTATE, computed here from q_ptr = q as q[rows]·R_K[h][:, cols] (tf32 products, float32 sums), 16 rows
@@ -154,13 +147,13 @@ def _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, 
         off_r = ring0 + (n - n_sink)[:, None] * D + c[None, :]
         k = tl.load(tl.where(in_sink, ks_ptr + off_s, kr_ptr + off_r), mask=valid[:, None], other=0.0)
         v = tl.load(tl.where(in_sink, vs_ptr + off_s, vr_ptr + off_r), mask=valid[:, None], other=0.0)
-        x = _dot(q, tl.trans(k), None, F32) * scale_log2
+        x = dot(q, tl.trans(k), None, F32) * scale_log2
         x = tl.where(valid[None, :], x, float("-inf"))
         m = tl.max(x, axis=1)
         # Normalize by the bf16 weights that multiply v, so a large common component of v cancels exactly.
         p = tl.exp2(x - m[:, None]).to(tl.bfloat16)
         l = tl.sum(p.to(tl.float32), axis=1)
-        acc = _dot(p, v, None, F32)
+        acc = dot(p, v, None, F32)
         tl.store(po_ptr + rows[:, None] * D + c[None, :], acc, mask=(r < HG)[:, None])
         tl.store(pm_ptr + rows, m, mask=r < HG)
         tl.store(pl_ptr + rows, l, mask=r < HG)
@@ -225,10 +218,10 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
         if KEY_T:
             # Scores transposed, [tokens, (g, r)]: the unpacked codes are the register operand
             # (M = BLOCK_N, so Hopper's wgmma), the query the shared one.
-            s = _dot(u0, q0t, s_init, F32)
-            s = _dot(u1, q1t, s, F32)
-            s = _dot(u2, q2t, s, F32)
-            s = _dot(u3, q3t, s, F32)
+            s = dot(u0, q0t, s_init, F32)
+            s = dot(u1, q1t, s, F32)
+            s = dot(u2, q2t, s, F32)
+            s = dot(u3, q3t, s, F32)
             ksc = tl.load(ksc_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
             kz = tl.load(kz_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
             kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, :, None]
@@ -240,10 +233,10 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
             p = tl.exp2(x - m_new[None, :])
             l = l * alpha + tl.sum(p, axis=0)
         else:
-            s = _dot(q0, tl.trans(u0), s_init, F32)
-            s = _dot(q1, tl.trans(u1), s, F32)
-            s = _dot(q2, tl.trans(u2), s, F32)
-            s = _dot(q3, tl.trans(u3), s, F32)
+            s = dot(q0, tl.trans(u0), s_init, F32)
+            s = dot(q1, tl.trans(u1), s, F32)
+            s = dot(q2, tl.trans(u2), s, F32)
+            s = dot(q3, tl.trans(u3), s, F32)
             ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
             kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
             kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
@@ -273,10 +266,10 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
             z_sum = z_sum * alpha[None, :] + tl.sum(a3.to(tl.float32) * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
             a = tl.reshape(a3, [MV, BLOCK_N])
         alpha_rows = tl.reshape(tl.broadcast_to(alpha[None, :], [NGV, HGP]), [MV])[:, None]
-        acc0 = _dot(a, w0, acc0 * alpha_rows, F32)
-        acc1 = _dot(a, w1, acc1 * alpha_rows, F32)
-        acc2 = _dot(a, w2, acc2 * alpha_rows, F32)
-        acc3 = _dot(a, w3, acc3 * alpha_rows, F32)
+        acc0 = dot(a, w0, acc0 * alpha_rows, F32)
+        acc1 = dot(a, w1, acc1 * alpha_rows, F32)
+        acc2 = dot(a, w2, acc2 * alpha_rows, F32)
+        acc3 = dot(a, w3, acc3 * alpha_rows, F32)
 
     # Output channel 4j+i of head r: row (g(j), r) of acc_i / m_i, plus the zero term.
     pick = (j // (GV // 4))[None, None, :] == gv[:, None, None]

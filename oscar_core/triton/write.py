@@ -45,7 +45,7 @@ def _scale_code(step, ROUND_UP: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, F32: tl.constexpr):
+def dot(a, b, acc, F32: tl.constexpr):
     """tl.dot; with F32 on float32 copies (exact for bf16 inputs), for the CPU interpreter's numpy matmul."""
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
@@ -56,10 +56,10 @@ def _dot(a, b, acc, F32: tl.constexpr):
 def _rotate(x, r_hi, r_lo, X_SPLIT: tl.constexpr, F32: tl.constexpr):
     """x·(R_hi + R_lo) in float32 from bf16 products, x float32 [BT, D] (bf16-exact unless X_SPLIT)."""
     xh = x.to(tl.bfloat16)
-    y = _dot(xh, r_hi, None, F32)
-    y = _dot(xh, r_lo, y, F32)
+    y = dot(xh, r_hi, None, F32)
+    y = dot(xh, r_lo, y, F32)
     if X_SPLIT:
-        y = _dot((x - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
+        y = dot((x - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
     return y
 
 
