@@ -65,7 +65,7 @@ def check_layers(manifest: Manifest, config) -> Check:
     want, have = attention_layer_ids(config), manifest.rotation.layers
     ok = (None if have is None else sorted(have)) == want
     where = lambda ids: "every layer" if ids is None else "layers " + ", ".join(map(str, ids))  # noqa: E731
-    detail = (f"{where(have)} (the model's attention layers)" if ok else
+    detail = (where(have) if ok else
               f"the bundle rotates {where(have)}, the model's attention layers are {where(want)}")
     return Check("layers match the model's attention layers", ok, detail)
 
