@@ -258,7 +258,7 @@ class OscarLayer(DynamicLayer):
         if self.key_store is not None:
             return self.key_store.read(dtype), self.value_store.read(dtype)
         seq, store = self.sequences, self.store
-        if self.seen < seq.seen:        # the first KV layer has already counted the update this layer is about to write
+        if self.seen < seq.seen:        # the first KV layer has counted the update this one is about to write
             lengths = seq.lengths - (seq.counts if seq.counts is not None else seq.seen - self.seen)
             store = dataclasses.replace(store, lengths=lengths)
         batch, (heads, d) = store.key_sink.shape[0], self.shape

@@ -184,8 +184,9 @@ def test_model_without_attention_layers_is_refused(capfd, monkeypatch, tmp_path)
     code, out = run_cli(capfd, monkeypatch, "calibrate", str(tmp_path / "m"), "--out", str(tmp_path / "c"),
                         "--device", "cpu")
     assert code == 1 and "Traceback" not in out
-    assert [line for line in out.splitlines() if "error" in line] == ["error: unsupported architecture MambaForCausalLM: none of its layers is an attention layer, "
-                     "so it has no KV cache to rotate"], out
+    assert [line for line in out.splitlines() if "error" in line] == [
+        "error: unsupported architecture MambaForCausalLM: none of its layers is an attention layer, "
+        "so it has no KV cache to rotate"], out
 
 
 def test_check_supported_accepts_hybrid_attention(hybrid_model):
