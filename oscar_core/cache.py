@@ -12,6 +12,10 @@ On CUDA a write is one Triton launch per layer (triton.write.append_kv: K and V,
 elsewhere the torch reference (kvstore.append). bf16 and kivi (per-channel key groups) keep the
 SideStore below: sink, INT2 blocks and recent tokens as growing tensors, read in torch.
 
+A hybrid model's layers without a KV cache (linear attention, Mamba: models.attention_layer_ids, the bundle's
+rotation.layers) hold transformers' LinearAttentionLayer (their convolution and recurrent states, exact); the
+first KV layer advances the shared sequence lengths.
+
 update() follows the serving convention: a single decoded token is written first and then attends to
 what the store holds; the tokens of a multi-token update (prefill, or a prefill chunk) attend to the
 stored past plus themselves as computed (in flight).
@@ -27,6 +31,7 @@ host-to-device copy (bundle tensors are moved to the device once, on the first u
 captured in a CUDA graph (oscar_core.decode_graph).
 """
 
+import copy
 import dataclasses
 from contextlib import contextmanager
 
@@ -34,7 +39,9 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from oscar_core import kvstore, methods
+from oscar_core.bundle import bundle_layers
 from oscar_core.errors import OscarError
+from oscar_core.models import attention_layer_ids
 from oscar_core.statistics import route_attention
 
 ATTENTION_NAME = "oscar_cache"
@@ -128,9 +135,10 @@ class OscarLayer(DynamicLayer):
 
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
-                 query_heads: int | None = None):
+                 query_heads: int | None = None, counts: bool | None = None):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
+        self.counts = layer_idx == 0 if counts is None else counts  # advances `sequences` (the first KV layer)
         self.query_heads = query_heads
         self.sink_tokens, self.recent_tokens = sink, recent
         self.sequences = sequences or Sequences()
@@ -199,7 +207,7 @@ class OscarLayer(DynamicLayer):
     def commit(self, key_states: torch.Tensor, value_states: torch.Tensor, starts: torch.Tensor | None) -> None:
         """Write a whole update into the store; starts[b]: leading pads of sequence b to skip (None: none)."""
         seq, n = self.sequences, key_states.shape[-2]
-        if self.layer_idx == 0:
+        if self.counts:
             seq.advance(key_states.shape[0], n, starts, key_states.device)
         self._reserve(key_states.shape[0])
         if self.write is not None:
@@ -250,7 +258,7 @@ class OscarLayer(DynamicLayer):
         if self.key_store is not None:
             return self.key_store.read(dtype), self.value_store.read(dtype)
         seq, store = self.sequences, self.store
-        if self.seen < seq.seen:        # layer 0 has already counted the update this layer is about to write
+        if self.seen < seq.seen:        # the first KV layer has counted the update this one is about to write
             lengths = seq.lengths - (seq.counts if seq.counts is not None else seq.seen - self.seen)
             store = dataclasses.replace(store, lengths=lengths)
         batch, (heads, d) = store.key_sink.shape[0], self.shape
@@ -339,40 +347,47 @@ class OscarCache(Cache):
         self.method, self.kernel_reads, self.bundle = method, kernel_reads, bundle
         self.sequences = Sequences(capacity)
         if bundle is not None:
-            query_heads = bundle.manifest.model.num_heads
+            query_heads, kv = bundle.manifest.model.num_heads, bundle_layers(bundle.manifest)
         else:
             query_heads = config.get_text_config().num_attention_heads if config is not None else None
+            kv = (config is not None and attention_layer_ids(config)) or range(num_layers)
         super().__init__(layers=[OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes,
-                                            query_heads) for i in range(num_layers)])
+                                            query_heads, counts=i == kv[0]) if i in kv else state_layer()
+                                 for i in range(num_layers)])
+
+    @property
+    def kv_layers(self) -> list["OscarLayer"]:
+        """The layers holding keys and values (all of them but a hybrid model's linear-attention or Mamba layers)."""
+        return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
 
     def reserve(self, tokens: int) -> None:
         """Grow every store to hold `tokens` per sequence now (before a CUDA-graph capture)."""
         seq = self.sequences
         if tokens > seq.capacity:
             seq.capacity = tokens
-        for layer in self.layers:
+        for layer in self.kv_layers:
             if layer.store is not None:
                 layer._reserve(layer.store.key_sink.shape[0])
 
     def count_steps(self, steps: int) -> None:
         """Count decode steps the host did not run (CUDA-graph replays; −1 undoes a capture's count)."""
         self.sequences.seen += steps
-        for layer in self.layers:
+        for layer in self.kv_layers:
             layer.seen += steps
 
     def reads_by_kernel(self) -> bool:
         """Every layer is initialized and reads its decode steps by kernel (inside oscar_attention)."""
         return all(layer.is_initialized and layer.kernel_reads and layer.kernel_problem is None
-                   and layer.store is not None for layer in self.layers)
+                   and layer.store is not None for layer in self.kv_layers)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (codes, scales, zero codes, BF16 windows, spare capacity)."""
-        return sum(layer.nbytes() for layer in self.layers)
+        return sum(layer.nbytes() for layer in self.kv_layers)
 
     def bf16_nbytes(self) -> int:
         """Bytes of a BF16 cache holding the same tokens: 2 sides · B · H_kv · L · d · 2 bytes per layer."""
         total = 0
-        for layer in self.layers:
+        for layer in self.kv_layers:
             if layer.store is not None:
                 b, h, _, d = layer.store.key_sink.shape
             elif layer.key_store is not None and layer.key_store.sink is not None:
@@ -381,6 +396,31 @@ class OscarCache(Cache):
                 continue
             total += 2 * b * h * layer.get_seq_length() * d * 2
         return total
+
+
+def state_layer():
+    """The cache layer of a layer without keys and values (a hybrid model's linear attention or Mamba): transformers'
+    own, holding its convolution and recurrent states exactly."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    return LinearAttentionLayer()
+
+
+def exact_cache(like: OscarCache) -> Cache:
+    """A transformers cache with the layers of `like` that keeps everything exact: a DynamicLayer (every token, no
+    sliding window) for each KV layer, state_layer() for the others (what `fill` reads)."""
+    return Cache(layers=[DynamicLayer() if isinstance(layer, OscarLayer) else state_layer() for layer in like.layers])
+
+
+def fill(cache: OscarCache, prefill: Cache) -> OscarCache:
+    """Write an exact prefill (exact_cache) into `cache`: each KV layer's keys and values through the cache's
+    method, and a copy of each state layer (so that several caches can decode on from one prefill)."""
+    for i, done in enumerate(prefill.layers):
+        if isinstance(cache.layers[i], OscarLayer):
+            cache.update(done.keys, done.values, i)
+        else:
+            cache.layers[i] = copy.deepcopy(done)
+    return cache
 
 
 def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, budget_bytes: int | None = None,
@@ -490,14 +530,14 @@ def oscar_attention(model, cache: OscarCache):
             return None
         return sdpa_mask(*args, **kwargs)
 
-    for layer in cache.layers:
+    for layer in cache.kv_layers:
         layer.kernel_reads = True
     AttentionMaskInterface.register(ATTENTION_NAME, mask)
     try:
         with route_attention(model, ATTENTION_NAME, attention):
             yield
     finally:
-        for layer in cache.layers:
+        for layer in cache.kv_layers:
             layer.kernel_reads = layer.deferred = False
         # The registries are global: leave nothing there that keeps this cache (and its memory) alive.
         from transformers import AttentionInterface

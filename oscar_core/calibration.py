@@ -3,7 +3,9 @@
 A calibration directory holds
 - statistics.safetensors: the AttentionStatistics accumulators and probes, and in its metadata the
   number of samples already counted (written atomically after every batch, so a rerun resumes);
-- calibration.json: provenance (model, data and its fingerprint, N, L, seed, tool version, timings).
+- calibration.json: provenance (model, data and its fingerprint, N, L, seed, tool version, timings) and, for a
+  hybrid model, `attention_layers`: the global ids of the layers with a KV cache (models.attention_layer_ids);
+  the statistics keep every layer, zero for the others (the hooks never see them).
 """
 
 import json
@@ -20,7 +22,7 @@ from oscar_core import __version__, distributed
 from oscar_core.data import DEFAULT_CALIBRATION, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes, atomic_write_json
-from oscar_core.models import gpu_memory, load_model, model_devices, resolve_device
+from oscar_core.models import attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device
 from oscar_core.provenance import model_source, platform_record
 from oscar_core.statistics import AttentionStatistics, observe_attention
 
@@ -154,6 +156,9 @@ def _calibrate(req, out_dir, device, group, on_progress, on_loaded, loaded) -> d
             "tool_version": __version__, "samples_done": 0, "tokens": 0, "complete": False,
             "model_source": model_source(req.model), "platform": platform_record(device),
         }
+        layers = attention_layer_ids(loaded.model.config)
+        if layers is not None:  # a hybrid model: only these layers are observed (the others keep zero statistics)
+            record["attention_layers"] = layers
         if group.world > 1 or len(model_devices(loaded.model)) > 1:
             record["processes"] = group.world
             record["devices"] = model_devices(loaded.model)

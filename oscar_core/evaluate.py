@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oscar_core import methods
-from oscar_core.cache import OscarCache, oscar_attention
+from oscar_core.cache import OscarCache, exact_cache, fill, oscar_attention
 from oscar_core.data import DEFAULT_HELDOUT, texts, token_windows
 from oscar_core.errors import OscarError
 from oscar_core.simulate import simulate_int2
@@ -58,14 +58,21 @@ def check_request(req: EvalRequest, bundle, max_context: int | None = None) -> N
         raise OscarError("--samples must be positive, --needle-trials non-negative and depths in [0, 1]")
 
 
-def check_bundle(bundle, info) -> None:
-    """The bundle must have been calibrated on this model (same attention facts and config)."""
+def check_bundle(bundle, info, config=None) -> None:
+    """The bundle must have been calibrated on this model (same attention facts and config) and, given the model's
+    config, rotate exactly its attention layers."""
     b = bundle.manifest.model
     facts = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
     if any(getattr(b, f) != getattr(info, f) for f in facts) or b.config_sha256 != info.config_sha256:
         raise OscarError(f"bundle {bundle.manifest.name} is for model {b.id} ({b.num_layers} layers, "
                          f"{b.num_kv_heads} KV heads of dim {b.head_dim}), not {info.id} ({info.num_layers} layers, "
                          f"{info.num_kv_heads} KV heads of dim {info.head_dim})")
+    if config is not None:
+        from oscar_core.verify import check_layers
+
+        layers = check_layers(bundle.manifest, config)
+        if not layers.ok:
+            raise OscarError(f"bundle {bundle.manifest.name}: {layers.detail}")
 
 
 def heldout_tokens(source: str, tokenizer, needed: int) -> torch.Tensor:
@@ -131,18 +138,14 @@ def answer_matches(text: str, key: str) -> bool:
 
 @torch.inference_mode()
 def needle_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[str], bundle, num_layers: int):
-    """{method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: prefill once, decode through each method's cache."""
-    from transformers import DynamicCache
-
+    """{method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: prefill once, decode through each method's
+    cache. A hybrid model's layers without a KV cache start every method's decode from a copy of their prefill state."""
     ids = prompt[None].to(model.device)
-    prefill = DynamicCache()
+    prefill = exact_cache(OscarCache(bundle, "bf16", num_layers=num_layers))
     model(input_ids=ids[:, :-1], past_key_values=prefill, use_cache=True, logits_to_keep=1)
-    kv = [(layer.keys, layer.values) for layer in prefill.layers]
     out = {}
     for m in method_names:
-        cache = OscarCache(bundle, m, num_layers=num_layers)
-        for i, (k, v) in enumerate(kv):
-            cache.update(k, v, i)
+        cache = fill(OscarCache(bundle, m, num_layers=num_layers), prefill)
         with oscar_attention(model, cache):
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                                  max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
@@ -153,7 +156,7 @@ def needle_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[st
 
 def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | None = None) -> dict:
     """Perplexity and needle accuracy of every method at every context; returns the JSON-ready report."""
-    check_bundle(bundle, loaded.info)
+    check_bundle(bundle, loaded.info, loaded.model.config)
     check_request(req, bundle, loaded.info.max_position_embeddings)
     model, tok = loaded.model, loaded.tokenizer
     step = on_step or (lambda s: None)

@@ -50,34 +50,35 @@ def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOp
 
 
 def derive_layers(stats, calib_dir, num_heads: int, opts: DeriveOptions, workers: int,
-                  on_layer: Callable[[int, int], None] | None = None):
-    """(layer, its bundle tensors) for every layer, in layer order.
+                  on_layer: Callable[[int, int], None] | None = None, layers: list[int] | None = None):
+    """(layer, its bundle tensors) for every layer of `layers` (None: every layer), in layer order.
 
     Every derivation runs on one thread (LAPACK's eigh differs in the last bits with the thread count), so
     the bytes do not depend on `workers`: with workers > 1, that many spawned processes each derive whole
     layers, reading only their layer from the statistics file.
     """
-    total = stats.num_layers
+    layers = list(range(stats.num_layers)) if layers is None else layers
+    total = len(layers)
     if workers <= 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            for layer in range(total):
+            for done, layer in enumerate(layers, 1):
                 yield layer, derive_layer(stats, layer, opts)
                 if on_layer:
-                    on_layer(layer + 1, total)
+                    on_layer(done, total)
         finally:
             torch.set_num_threads(threads)
         return
     results = {}
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_single_thread) as pool:
-        futures = [pool.submit(_derive_from_file, str(calib_dir), layer, num_heads, opts) for layer in range(total)]
+        futures = [pool.submit(_derive_from_file, str(calib_dir), layer, num_heads, opts) for layer in layers]
         for future in as_completed(futures):
             layer, derived = future.result()
             results[layer] = derived
             if on_layer:
                 on_layer(len(results), total)
-    for layer in range(total):
+    for layer in layers:
         yield layer, results[layer]
 
 
@@ -127,19 +128,21 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     if stats.num_layers != model.num_layers or stats.num_kv_heads != model.num_kv_heads:
         raise OscarError(f"statistics in {calib_dir} do not match the model in its record")
 
+    hybrid = record.get("attention_layers")  # a hybrid model's attention layers; None: every layer
+    layers = list(range(model.num_layers)) if hybrid is None else hybrid
     opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens})
     tensors: dict[str, torch.Tensor] = {}
     if workers < 1:
         raise OscarError("--workers must be at least 1")
-    for layer, derived in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, model.num_layers),
-                                        on_layer):
+    for layer, derived in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, len(layers)),
+                                        on_layer, layers):
         for key, value in derived.items():
             tensors[f"layers.{layer}.{key}"] = value.float()
     if with_eigenvalues:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # LAPACK's eigensolver differs in the last bits with the thread count: pin it
         try:
-            for layer in range(model.num_layers):
+            for layer in layers:
                 tensors[f"layers.{layer}.key_eigenvalues"] = eigenvalues(stats.query_covariance(layer)).float()
                 tensors[f"layers.{layer}.value_eigenvalues"] = eigenvalues(
                     stats.score_weighted_value_covariance(layer)).float()
@@ -151,7 +154,7 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         raise OscarError(f"derived rotations are not orthogonal (max |R^T R - I| = {worst:.2e}): statistics are degenerate")
 
     def mean_clip(kind: str) -> float:
-        return round(float(torch.stack([tensors[f"layers.{i}.{kind}_clip"] for i in range(model.num_layers)]).mean()), 4)
+        return round(float(torch.stack([tensors[f"layers.{i}.{kind}_clip"] for i in layers]).mean()), 4)
 
     quant = {"key_group_size": opts.key_group_size, "value_group_size": opts.value_group_size,
              "sink_tokens": sink_tokens, "recent_tokens": recent_tokens}
@@ -161,7 +164,8 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
                         clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor, opts.clip_grid),
                         bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED}),
         rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
-                              key_centering=opts.key_centering, value_centering=opts.value_centering),
+                              key_centering=opts.key_centering, value_centering=opts.value_centering,
+                              layers=hybrid),
         calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
                                     samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
                                     tokens=record["tokens"], model_source=record.get("model_source"),

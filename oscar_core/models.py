@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import logging
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,10 +132,29 @@ def model_info(spec: str | None, config, weights_file: str | None, source: str, 
                      config_sha256=config_hash(facts, config), **facts)
 
 
+def check_attention_layers(config, architecture: str) -> None:
+    """Refuse a config whose layers are all without a KV cache (e.g. every layer linear attention or Mamba)."""
+    if attention_layer_ids(config) == []:
+        raise OscarError(f"unsupported architecture {architecture}: none of its layers is an attention layer, "
+                         "so it has no KV cache to rotate")
+
+
 def check_supported(model: torch.nn.Module) -> None:
-    if not getattr(model, "_supports_attention_backend", False):
-        raise OscarError(f"unsupported architecture {type(model).__name__}: it does not use transformers' "
-                         "attention interface, so its attention cannot be observed")
+    """Its attention layers must run through transformers' attention interface (where the hooks observe and replace
+    attention): the whole model says so, or, for a hybrid model (attention_layer_ids), its modeling code calls
+    ALL_ATTENTION_FUNCTIONS in the attention layers (transformers marks such a model unsupported as a whole
+    because its other layers do not)."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is not None:
+        check_attention_layers(config, name)
+    if getattr(model, "_supports_attention_backend", False):
+        return
+    modeling = vars(sys.modules.get(type(model).__module__) or object)
+    if config is not None and attention_layer_ids(config) and "ALL_ATTENTION_FUNCTIONS" in modeling:
+        return
+    raise OscarError(f"unsupported architecture {name}: it does not use transformers' "
+                     "attention interface, so its attention cannot be observed")
 
 
 GPU_MEMORY_SHARE = 0.9  # of each GPU's free memory for weights; the rest is left for activations and statistics
@@ -191,6 +211,7 @@ def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.
     dtype = resolve_dtype(dtype, device)
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
+        check_attention_layers(config, (getattr(config, "architectures", None) or [type(config).__name__])[0])
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         if max_memory is not None:
             from accelerate import init_empty_weights

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_core import methods
-from oscar_core.bundle import Bundle, ModelInfo
+from oscar_core.bundle import Bundle, Manifest, ModelInfo, bundle_layers
 from oscar_core.errors import OscarError
 from oscar_core.fidelity import capture_attention, key_error, value_error
 from oscar_core.metrics import causal_attention, kl_divergence, relative_error, top1_agreement
@@ -58,6 +58,18 @@ def check_model(manifest_model: ModelInfo, model: ModelInfo) -> Check:
     return Check("model matches manifest", not diffs, "; ".join(diffs) or f"{model.id} ({model.architecture})")
 
 
+def check_layers(manifest: Manifest, config) -> Check:
+    """The layers with rotations are the model's attention layers (every layer, or a hybrid model's)."""
+    from oscar_core.models import attention_layer_ids
+
+    want, have = attention_layer_ids(config), manifest.rotation.layers
+    ok = (None if have is None else sorted(have)) == want
+    where = lambda ids: "every layer" if ids is None else "layers " + ", ".join(map(str, ids))  # noqa: E731
+    detail = (where(have) if ok else
+              f"the bundle rotates {where(have)}, the model's attention layers are {where(want)}")
+    return Check("layers match the model's attention layers", ok, detail)
+
+
 def first_failure(checks: list[Check]) -> str | None:
     bad = next((c for c in checks if not c.ok), None)
     return None if bad is None else f"{bad.name}: {bad.detail}"
@@ -70,11 +82,12 @@ def _side_tensors(method: str, side: str, layer: int, kv_heads: int, head_dim: i
 
 
 def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED) -> list[dict]:
-    """Per layer and KV head: key and value error of each compared method."""
+    """Per layer with rotations (bundle_layers: a hybrid model's attention layers) and KV head: key and value
+    error of each compared method."""
     m = bundle.manifest
     kv, d, g, sink = m.model.num_kv_heads, m.model.head_dim, m.quant.key_group_size, m.quant.sink_tokens
     rows = []
-    for layer in range(m.model.num_layers):
+    for layer in bundle_layers(m):
         q, k, v, scaling = held[layer]
         errors = {}
         for method in compared:
@@ -91,15 +104,15 @@ def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED) -> l
 
 
 def decode_kernel_errors(held: dict, bundle: Bundle) -> list[float]:
-    """Per layer: relative error of the Triton decode kernel (INT2 cache of the whole sample) against exact
-    attention for the last position; CUDA only."""
+    """Per layer with rotations (bundle_layers, in that order): relative error of the Triton decode kernel (INT2
+    cache of the whole sample) against exact attention for the last position; CUDA only."""
     from oscar_core import kvstore
     from oscar_core.triton.decode import decode_attention
     from oscar_core.triton.write import write_int2
 
     m = bundle.manifest
     out = []
-    for layer in range(m.model.num_layers):
+    for layer in bundle_layers(m):
         q, k, v, scaling = held[layer]
         t = k.shape[1]
         rot = kvstore.LayerRotation(*(bundle.layer(layer, n) for n in

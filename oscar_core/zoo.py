@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest
+from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest, bundle_layers
 from oscar_core.equivalence import COVARIANCE_OF, Deviation, figure_deviations, json_differences, tensor_deviations
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
@@ -228,7 +228,7 @@ def rotation_covariances(calib_dir: Path, manifest: Manifest) -> dict:
 
     stats, _ = read_statistics(calib_dir, manifest.model.num_heads)
     side = {"query": stats.query_covariance, "output": stats.score_weighted_value_covariance}
-    return {f"layers.{i}.{kind}": side[cov](i) for i in range(manifest.model.num_layers)
+    return {f"layers.{i}.{kind}": side[cov](i) for i in bundle_layers(manifest)
             for kind, cov in COVARIANCE_OF.items()}
 
 

@@ -53,7 +53,8 @@ def random_bundle(sink, recent):
             tensors[f"layers.{i}.{side}_clip"] = torch.full((KV_HEADS,), clip)
     manifest = SimpleNamespace(
         name="random", model=SimpleNamespace(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),
-        quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=sink, recent_tokens=recent))
+        quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=sink, recent_tokens=recent),
+        rotation=SimpleNamespace(layers=None))
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get(f"layers.{i}.{name}"))
 
 

@@ -53,6 +53,9 @@ def export(
                           f"group {q.key_group_size}, mean clip {q.key_clip:.3f}")
     table.add_row("values", f"{manifest.rotation.value}{' (centred)' if manifest.rotation.value_centering else ''}, "
                             f"group {q.value_group_size}, mean clip {q.value_clip:.3f}")
+    if manifest.rotation.layers is not None:
+        table.add_row("layers", f"{', '.join(map(str, manifest.rotation.layers))} of {manifest.model.num_layers} "
+                                "(the attention layers of a hybrid model)")
     for context, bits in q.bits_per_element.items():
         table.add_row(f"bits/element @ {int(context) // 1024}K", f"{bits:.3f}")
     table.add_row("sha256", manifest.tensors.sha256[:16] + "…")

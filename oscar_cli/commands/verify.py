@@ -12,8 +12,8 @@ from oscar_core.data import DEFAULT_HELDOUT, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_json
 from oscar_core.models import load_model, resolve_device
-from oscar_core.verify import (VERIFY_FILE, Check, check_model, check_tensors, first_failure, headline, merge_reports,
-                               resolve_model_spec, verify as measure)
+from oscar_core.verify import (VERIFY_FILE, Check, check_layers, check_model, check_tensors, first_failure, headline,
+                               merge_reports, resolve_model_spec, verify as measure)
 
 EXAMPLES = """
 Examples:
@@ -57,10 +57,10 @@ def verify(
         return
     device = resolve_device(device)
     loaded = load_model(resolve_model_spec(model, m.model, m.calibration.model_source), device, dtype)
-    checks.append(check_model(m.model, loaded.info))
+    checks += [check_model(m.model, loaded.info), check_layers(m, loaded.model.config)]
     if other is not None:
-        c = check_model(other.manifest.model, loaded.info)
-        checks.append(Check(f"compared: {c.name}", c.ok, c.detail))
+        for c in (check_model(other.manifest.model, loaded.info), check_layers(other.manifest, loaded.model.config)):
+            checks.append(Check(f"compared: {c.name}", c.ok, c.detail))
     failure = first_failure(checks)
     if failure:
         raise OscarError(f"bundle check failed: {failure}")
@@ -119,12 +119,13 @@ def _print_report(report: dict) -> None:
     if "decode_kernel_error" in report:
         table.add_column("decode kernel", justify="right")
     mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    kernel = dict(zip(per_layer, report.get("decode_kernel_error", [])))  # in the rows' layer order
     order = sorted(per_layer, key=lambda l: -mean(per_layer[l], "oscar_key"))
     for layer in order:
         rows = per_layer[layer]
         cells = [str(layer)] + [f"{mean(rows, f'{m}_{s}'):.4f}" for s in ("key", "value") for m in methods]
         if "decode_kernel_error" in report:
-            cells.append(f"{report['decode_kernel_error'][layer]:.4f}")
+            cells.append(f"{kernel[layer]:.4f}")
         table.add_row(*cells)
     table.add_section()
     table.add_row("mean", *[f"{mm[f'{m}_{s}']:.4f}" for s in ("key", "value") for m in methods],
