@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+TEXT = ["the quick brown fox jumps over the lazy dog, number %d, and then some more words follow" % i
+        for i in range(200)]
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
 
@@ -59,3 +62,19 @@ def capability_env(capability: str) -> dict:
     if probe.stdout.strip().lower() != capability:
         pytest.skip(f"this CPU cannot run {capability} (torch dispatches to {probe.stdout.strip()})")
     return env
+
+
+def write_tokenizer_and_corpus(out) -> int:
+    """A byte-level BPE tokenizer trained on TEXT saved to directory `out`, with TEXT as out/corpus.txt;
+    returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(out)
+    (out / "corpus.txt").write_text("\n\n".join(TEXT))
+    return tok.get_vocab_size()

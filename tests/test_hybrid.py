@@ -10,13 +10,12 @@ import sys
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, write_tokenizer_and_corpus
 from safetensors import safe_open
 
 from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE
 from oscar_core.errors import OscarError
 from oscar_core.models import attention_layer_ids, check_supported
-from test_zoo import TEXT
 
 ATTENTION_LAYERS = [1, 3]
 
@@ -35,18 +34,12 @@ def cli(*args: str) -> None:
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory):
     """A 4-layer Qwen3-Next (linear, full, linear, full attention) with its own BPE tokenizer, in a directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     out = tmp_path_factory.mktemp("qwen3-next")
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(out)
+    vocab = write_tokenizer_and_corpus(out)
     torch.manual_seed(0)
-    config = Qwen3NextConfig(vocab_size=tok.get_vocab_size(), num_hidden_layers=4, hidden_size=128,
+    config = Qwen3NextConfig(vocab_size=vocab, num_hidden_layers=4, hidden_size=128,
                              intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                              shared_expert_intermediate_size=64, linear_num_value_heads=2, linear_num_key_heads=2,
@@ -54,7 +47,6 @@ def hybrid_model(tmp_path_factory):
                              max_position_embeddings=512)
     assert attention_layer_ids(config) == ATTENTION_LAYERS
     Qwen3NextForCausalLM(config).save_pretrained(out)
-    (out / "corpus.txt").write_text("\n\n".join(TEXT))
     return out
 
 

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import capability_env, instruction_sets, run_cli
+from conftest import capability_env, instruction_sets, run_cli, write_tokenizer_and_corpus
 import torch
 
 from oscar_core import zoo
@@ -13,28 +13,19 @@ from oscar_core.errors import OscarError
 from tiny_bundle import write_tiny_bundle
 
 REPO_ROOT = Path(__file__).parent.parent
-TEXT = ["the quick brown fox jumps over the lazy dog, number %d, and then some more words follow" % i
-        for i in range(200)]
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer Llama (head_dim 64, GQA 2/1) with its own byte-level BPE tokenizer, saved to a directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-model")
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(out)
+    vocab = write_tokenizer_and_corpus(out)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
     LlamaForCausalLM(config).save_pretrained(out)
-    (out / "corpus.txt").write_text("\n\n".join(TEXT))
     return out
 
 
