@@ -349,7 +349,7 @@ def main():
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = make_layer(gen)
     shapes = [] if args.no_shapes else bench_shapes(gen)
-    default = [("asm", {})]
+    default = [("default", {})]
     extra = {}
     if args.baseline:   # another version, timed on the same caches (the A/B of kernel_notes.md)
         import importlib.util
@@ -358,7 +358,9 @@ def main():
         spec.loader.exec_module(base)
         for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32)):
             extra[key] = [("baseline", {}, base.decode_attention)]
-    for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 1), (8192, 1)):
+    for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1), (8192, 1)):
+        extra.setdefault(key, []).append(("triton INT2 (v7)", dict(gluon=False)))
+    for key in ((100_000, 1), (100_000, 32)):
         extra.setdefault(key, []).append(("fused (1 launch)", dict(fused=True)))
     rows, sweep = [], []
     for context in CONTEXTS[1:] if args.quick else CONTEXTS:

@@ -192,7 +192,8 @@ class OscarLayer(DynamicLayer):
     def _reserve(self, batch: int) -> None:
         """Allocate the store, or grow it to the shared capacity (the INT2 rows copied once)."""
         cap = self.sequences.capacity
-        if self.store is not None and self.store.key_codes.shape[2] >= max(cap - self.sink_tokens - self.recent_tokens, 1):
+        rows = kvstore.int2_rows(cap, self.sink_tokens, self.recent_tokens)
+        if self.store is not None and self.store.key_codes.shape[2] >= rows:
             return
         new = kvstore.empty_cache(batch, *self.shape, cap, *self.group_sizes, self.sink_tokens, self.recent_tokens,
                                   device=self.device)

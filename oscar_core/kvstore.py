@@ -75,11 +75,21 @@ class Int2KVCache:
         return (self.lengths.long() - self.sink_tokens - self.recent_tokens).clamp_min(0)
 
 
+ROW_BLOCK = 64
+
+
+def int2_rows(capacity: int, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS) -> int:
+    """INT2 rows a store of `capacity` tokens allocates: at least one, rounded up to whole blocks of
+    ROW_BLOCK so the decode kernel reads whole 64-token tiles without bounds checks."""
+    rows = max(capacity - sink_tokens - recent_tokens, 1)
+    return -(-rows // ROW_BLOCK) * ROW_BLOCK
+
+
 def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_group_size: int = 64,
                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
                 device: str | torch.device = "cpu") -> Int2KVCache:
-    """An empty store for up to `capacity` tokens per sequence (at least one INT2 row is allocated)."""
-    rows = max(capacity - sink_tokens - recent_tokens, 1)
+    """An empty store for up to `capacity` tokens per sequence (INT2 rows: int2_rows)."""
+    rows = int2_rows(capacity, sink_tokens, recent_tokens)
 
     def bf16(n):
         return torch.zeros(batch, kv_heads, n, head_dim, dtype=torch.bfloat16, device=device)
@@ -228,7 +238,7 @@ def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]
 def store_nbytes(batch: int, capacity: int, kv_heads: int, head_dim: int, key_group_size: int = 64,
                  value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS) -> int:
     """Bytes of empty_cache(batch, kv_heads, head_dim, capacity, ...): BF16 windows, INT2 rows, lengths."""
-    rows = max(capacity - sink_tokens - recent_tokens, 1)
+    rows = int2_rows(capacity, sink_tokens, recent_tokens)
     windows = 2 * (sink_tokens + recent_tokens) * head_dim * 2
     per_row = 2 * (head_dim // 4) + 2 * (head_dim // key_group_size) + 2 * (head_dim // value_group_size)
     return batch * kv_heads * (windows + rows * per_row) + 4 * batch

@@ -468,14 +468,17 @@ def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms:
     return chunk, -(-max_int2 // chunk)
 
 
-def default_config(batch: int, kv_heads: int, head_dim: int = 128) -> dict:
+def default_config(batch: int, kv_heads: int, head_dim: int = 128, gluon: bool = False) -> dict:
     """Launch settings by the number of (sequence, KV head) pairs and head_dim (tuned on an H100 at 100K
     context: v5-v7 in bench/results/kernel_notes.md). From 17 pairs up, one-warp programs (two at head_dim
     256, whose value accumulators would not fit one warp's registers): no cross-warp reductions or barriers
     per tile, enough of them (waves 48) to fill every multiprocessor, at least 512 rows each. Up to 16 pairs
     (batch 1-2), four-warp programs. Each setting was compiled offline for sm_90 (triton 3.6) to fit shared
-    memory without spilling in the loop."""
+    memory without spilling in the loop. The Gluon INT2 programs are one warp of 64-token tiles at every
+    batch (their products need no shared memory), waves 48, at least 512 rows each."""
     pairs = batch * kv_heads
+    if gluon:
+        return dict(block_n=64, num_warps=1, num_stages=1, waves=48, key_t=True, min_chunk=512)
     if pairs > 16:
         cfg = dict(block_n=64, num_warps=1, num_stages=4 if pairs >= 128 else 3, waves=48, key_t=pairs >= 128,
                    min_chunk=512)
@@ -517,12 +520,32 @@ def check_shape(heads: int, kv_heads: int, head_dim: int, key_group_size: int, v
         raise ValueError(f"decode_attention supports up to 16 query heads per KV head, not {heads // kv_heads}")
 
 
+def gluon_supported(q: torch.Tensor, cache: Int2KVCache) -> bool:
+    """Whether the Gluon INT2 programs (decode_gluon.py) serve this call: a CUDA device of compute
+    capability 8.0 or newer, head_dim 128, groups of 64, up to 4 query heads per KV head, whole 64-row
+    blocks of INT2 rows (kvstore.int2_rows allocates them so)."""
+    if not q.is_cuda or _gluon() is None or torch.cuda.get_device_capability(q.device)[0] < 8:
+        return False
+    return (q.shape[-1] == 128 and cache.key_group_size == cache.value_group_size == 64
+            and q.shape[1] // cache.key_codes.shape[1] <= 4 and cache.key_codes.shape[2] % 64 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon():
+    """The decode_gluon module, or None where this triton has no Gluon."""
+    try:
+        from oscar_core.triton import decode_gluon
+    except ImportError:
+        return None
+    return decode_gluon
+
+
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
                      value_rotation: torch.Tensor, value_mean: torch.Tensor | None, scaling: float,
                      max_length: int | None = None, block_n: int | None = None, block_w: int = 64,
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
-                     key_t: bool | None = None, fused: bool = False) -> torch.Tensor:
+                     key_t: bool | None = None, fused: bool = False, gluon: bool | None = None) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     Three launches (query rotation, split kernel, reduce), or with fused one: the query rotated inside
@@ -533,6 +556,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     own length, so results never depend on it and the launch grid never depends on the data.
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
     Launch settings left as None come from default_config (key_t: the score tile's orientation).
+    gluon: the INT2 programs in Gluon (decode_gluon.py, one launch of their own beside the window programs);
+    None: wherever gluon_supported says they run, True to require them (ValueError where they cannot).
     Every sequence needs at least one token. The cache tensors must be contiguous.
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
@@ -542,11 +567,16 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     check_shape(heads, kv_heads, d, gk, gv)
     if use_asm is None:
         use_asm = q.is_cuda
+    if gluon is None:
+        gluon = not fused and gluon_supported(q, cache)
+    elif gluon and (fused or not gluon_supported(q, cache)):
+        raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 128, groups of 64, "
+                         "at most 4 query heads per KV head, whole 64-row INT2 blocks, and fused=False")
     if max_length is None:
         max_length = cache.key_codes.shape[2] + cache.sink_tokens + cache.recent_tokens
     max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
-    cfg = default_config(bsz, kv_heads, d)
-    block_n = block_n or cfg["block_n"]
+    cfg = default_config(bsz, kv_heads, d, gluon)
+    block_n = 64 if gluon else block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     waves = waves or cfg["waves"]
@@ -572,7 +602,13 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     mean = value_mean.float().contiguous() if value_mean is not None else rv
     counters = _counters(q.device, bsz * kv_heads) if fused else pm
     scale_log2 = scaling * LOG2E
-    _split_kernel[(ns, bsz * kv_heads)](
+    if gluon:
+        _gluon()._int2_split_kernel[(max(n_int2, 1), bsz * kv_heads)](
+            q_in, cache.key_codes.view(torch.int32), cache.key_scale, cache.key_zero,
+            cache.value_codes.view(torch.int16), cache.value_scale, cache.value_zero, cache.lengths, po, pm, pl,
+            math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
+            HKV=kv_heads, HG=hg, R4=4, S=cache.sink_tokens, W=cache.recent_tokens, NW=nw, BLOCK_N=64, num_warps=1)
+    _split_kernel[(nw if gluon else ns, bsz * kv_heads)](
         q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
         cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
         cache.lengths, po, pm, pl, counters, rv, mean, out,

@@ -1,0 +1,270 @@
+"""INT2 split programs of decode attention in Gluon: the packed bytes loaded straight into mma operands.
+
+One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 128,
+groups of 64 channels, up to 8 query heads per KV head. It replaces the INT2 programs of
+decode._split_kernel (same partial outputs po, pm, pl, merged by decode._reduce_kernel).
+
+The store's layout already is the operands' layout. quant.pack_int2 puts channel 4j + i of a token in
+byte j, bits 2i; within a 64-channel block read as 32-bit words, position 8a + i (word a // 2, half
+a % 2, bits 2i) holds channel 8a + i. The kernel numbers the block's channels transposed, κ = 8i + a
+(π: κ <-> 8(κ mod 8) + κ div 8, an 8 x 8 transpose), and feeds the products in κ order; a dot
+product does not depend on the order of its terms, so q̃ is loaded in the same order and the outputs
+stored back through π. In κ order:
+  keys, S^T = K·Q̂^T (tokens as M): thread (g, t) of the warp needs, for its token rows, the pairs
+    κ = 8i + 2t + e (e = 0, 1) for every i: word t of the block, and each pair is the two 16-bit
+    halves of that word at bits 2i, so one lop3 makes a bf16x2 register of the A operand;
+  values, O^T = V^T·W (channels as M): thread (g, t) needs channels κ = 8i + g for token pairs
+    (2t, 2t + 1): half-word g of each token; the two tokens' halves joined in one word give bf16x2
+    registers by the same lop3.
+So no byte moves between threads and nothing goes through shared memory on the way to the products.
+
+Unpack: u = 128 + 4^ρ(i)·code, ρ = (0, 1, 2, 0, 1, 2, 0, 1) (the 2-bit field masked in place and ored
+into the mantissa of 128.0; shifts by 6 and 12 bring fields 3-5 and 6-7 down), exact in bf16. The
+factors 4^-ρ go to the query (keys) and to the output rows (values); the 128 is removed per tile for
+the keys (the score accumulator starts at −128·Σ_κ q̂_κ) and once at the end for the values
+(−128·Σ_n w_n, with the zero term Σ_n w_n z_n/4 over the same bf16 weights w = p·step).
+"""
+
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+_UNPACK_TEXT = """{
+.reg .b32 w, s6, s12;
+mov.b32 w, $8;
+shr.b32 s6, w, 6;
+shr.b32 s12, w, 12;
+lop3.b32 $0, w, 0x00030003, 0x43004300, 0xEA;
+lop3.b32 $1, w, 0x000c000c, 0x43004300, 0xEA;
+lop3.b32 $2, w, 0x00300030, 0x43004300, 0xEA;
+lop3.b32 $3, s6, 0x00030003, 0x43004300, 0xEA;
+lop3.b32 $4, s6, 0x000c000c, 0x43004300, 0xEA;
+lop3.b32 $5, s6, 0x00300030, 0x43004300, 0xEA;
+lop3.b32 $6, s12, 0x00030003, 0x43004300, 0xEA;
+lop3.b32 $7, s12, 0x000c000c, 0x43004300, 0xEA;
+}"""
+_UNPACK = gl.constexpr(_UNPACK_TEXT)
+
+
+@gluon.jit
+def _unpack_words(words, L3: gl.constexpr):
+    """int32 words [..., 1] (layout L3, 16 slots per thread) -> bf16 [..., 16]: slot 2i + e is the code
+    at bits 2i of half e, as 128 + 4^ρ(i)·code."""
+    w = gl.broadcast(words, gl.zeros([words.shape[0], words.shape[1], 16], gl.int32, L3))[0]
+    return gl.inline_asm_elementwise(_UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 16, [w], dtype=gl.bfloat16,
+                                     is_pure=True, pack=16)
+
+
+@gluon.jit
+def _pair(lo, hi):
+    """Two int16 halves -> one int32 word, lo in bits 0-15."""
+    return (lo.to(gl.int32) & 0xFFFF) | (hi.to(gl.int32) << 16)
+
+
+@gluon.jit
+def _tile_meta(ptr, t0, ML: gl.constexpr, RL: gl.constexpr):
+    """Scale or zero codes (uint8 / int8 [T, 2]) of the tile's tokens as float32, per group, in row order m
+    (row m holds token 8·(m mod 8) + m div 8): one 16-byte load of 8 consecutive tokens per thread."""
+    g = gl.arange(0, 8, layout=gl.SliceLayout(1, ML))
+    j = gl.arange(0, 16, layout=gl.SliceLayout(0, ML))
+    x = gl.load(ptr + 2 * gl.multiple_of(t0, 64) + (16 * g)[:, None] + j[None, :]).to(gl.float32)
+    x0, x1 = gl.split(gl.reshape(x, [8, 8, 2]))
+    x0 = gl.convert_layout(gl.reshape(gl.permute(x0, [1, 0]), [64]), RL, assert_trivial=True)
+    x1 = gl.convert_layout(gl.reshape(gl.permute(x1, [1, 0]), [64]), RL, assert_trivial=True)
+    return x0, x1
+
+
+@gluon.jit
+def _rho_scale(kappa):
+    """4^-ρ(i) for κ = 8i + a, ρ(i) = i mod 3 over (0..2, 3..5, 6..7)."""
+    i = (kappa % 64) // 8
+    rho = i - 3 * (i // 3)
+    return gl.exp2(-2.0 * rho.to(gl.float32))
+
+
+@gluon.jit
+def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
+                       log2_scale, T, n_int2_splits, min_chunk, NS,
+                       HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
+                       NW: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Program (i, bh): INT2 split NW + i of (sequence, KV head) bh. qt: q̃ bf16 [B, H, 128]; kw: key
+    codes as int32 words [B, H_kv, T, 8]; vh: value codes as int16 halves [B, H_kv, T, 16]; ksc, kz, vsc, vz:
+    scale (uint8) and zero (int8) codes [B, H_kv, T, 2]. T must be a multiple of BLOCK_N."""
+    D: gl.constexpr = 128
+    NC: gl.constexpr = 2 * R4                   # score columns (g, r), g the key group
+    NP: gl.constexpr = 8 if R4 < 8 else R4      # value product columns (heads, padded to the mma's n = 8)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # Key words [tokens, t, slot]: lane = 4·g + t holds token rows g + 8j, word t of the block.
+    KL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])
+    # Value halves [token pairs, a, slot]: lane = 4·a + t holds pairs t + 4j, half-word a of the block.
+    VL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 8, 1], [1, 1, 1], [2, 0, 1])
+
+    sid = NW + gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // HKV
+    length = gl.load(len_ptr + b)
+    slot = bh * NS + sid
+    n_int2 = gl.maximum(length - S - W, 0)
+    chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
+    chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
+    start = (sid - NW) * chunk
+    end = gl.minimum(start + chunk, n_int2)
+
+    # Query operands Q̂_B [κ, (r, g)] = q̃[r, 64B + π(κ)]·4^-ρ in group g = B, else 0 (column 2r + g, so a
+    # thread's two score columns are the two groups of one head); loop invariant.
+    qk = gl.arange(0, 64, layout=gl.SliceLayout(1, b_op))
+    qc = gl.arange(0, NC, layout=gl.SliceLayout(0, b_op))
+    qrow = (b * HKV + bh % HKV) * HG + qc // 2
+    qmask = (qc // 2 < HG)[None, :]
+    qoff = qrow[None, :] * D + (8 * (qk % 8) + qk // 8)[:, None]
+    rho = _rho_scale(qk)[:, None]
+    qf0 = gl.where(qmask & (qc % 2 == 0)[None, :], gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
+    qf1 = gl.where(qmask & (qc % 2 == 1)[None, :], gl.load(qt_ptr + qoff + 64, mask=qmask, other=0.0).to(gl.float32),
+                   0.0)
+    q0 = (qf0 * rho).to(gl.bfloat16)
+    q1 = (qf1 * rho).to(gl.bfloat16)
+    # Σ_κ q̂ (for the 128 offset) and Σ_c q̃ per group (for the key zero term), as score columns.
+    q_off = -128.0 * gl.convert_layout(gl.sum(q0.to(gl.float32) + q1.to(gl.float32), axis=0),
+                                       gl.SliceLayout(0, mma))
+    q_sum4 = 0.25 * gl.convert_layout(gl.sum(qf0 + qf1, axis=0), gl.SliceLayout(0, mma))
+    s_init = gl.zeros([BLOCK_N, NC], gl.float32, mma) + q_off[None, :]
+
+    # Scores [tokens, (r, g)] in the mma layout; summed over g, [tokens, r] in XL (in-thread).
+    XL: gl.constexpr = gl.sum(gl.reshape(s_init, [BLOCK_N, R4, 2]), axis=2).type.layout
+    HL: gl.constexpr = gl.SliceLayout(0, XL)
+    xrow = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, XL))
+    grp1 = (gl.arange(0, NC, layout=gl.SliceLayout(0, mma)) % 2 == 1)[None, :]
+    ML: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0])
+    # Row m of the tile (the mma's M for keys, K for values) holds token σ(m) = 8·(m mod 8) + m div 8, so a
+    # thread's 8 rows are 8 consecutive tokens. Offsets in int64 so constant parts fold into the loads.
+    km = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL))).to(gl.int64)
+    koff = ((8 * (km % 8) + km // 8) * 8)[:, None] \
+        + gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL))).to(gl.int64)[None, :]
+    vu = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL))).to(gl.int64)
+    voff = ((8 * ((2 * vu) % 8) + (2 * vu) // 8) * 16)[:, None] \
+        + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL))).to(gl.int64)[None, :]
+    xrow = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, XL))
+    xtok = 8 * (xrow % 8) + xrow // 8
+    # This (sequence, KV head)'s rows: key words (8 a row), value halves (16), metadata pairs (1).
+    kw = kw_ptr + bh.to(gl.int64) * T * 8
+    vh = vh_ptr + bh.to(gl.int64) * T * 16
+    ksc = ksc_ptr + bh.to(gl.int64) * T * 2
+    kz = kz_ptr + bh.to(gl.int64) * T * 2
+    vsc = vsc_ptr + bh.to(gl.int64) * T * 2
+    vz = vz_ptr + bh.to(gl.int64) * T * 2
+    CR: gl.constexpr = gl.SliceLayout(1, mma)
+    XR: gl.constexpr = gl.SliceLayout(1, XL)
+
+    # The running max moves only when a tile's max passes it by more than 8 (base 2), so weights stay
+    # below 2^8 and most tiles skip the rescale (a warp-uniform branch: one warp per program).
+    m = gl.full([R4], -1e30, gl.float32, HL)
+    l = gl.zeros([BLOCK_N, R4], gl.float32, XL)
+    w_sum0 = gl.zeros([BLOCK_N, R4], gl.float32, XL)
+    w_sum1 = gl.zeros([BLOCK_N, R4], gl.float32, XL)
+    z_sum0 = gl.zeros([BLOCK_N, R4], gl.float32, XL)
+    z_sum1 = gl.zeros([BLOCK_N, R4], gl.float32, XL)
+    o0 = gl.zeros([64, NP], gl.float32, mma)
+    o1 = gl.zeros([64, NP], gl.float32, mma)
+    for t0 in range(start, end, BLOCK_N):
+        # Rows up to t0 + BLOCK_N exist (T is a multiple of BLOCK_N): loads unmasked, scores masked.
+        # Keys: word t of each 64-channel block per token row.
+        kp = kw + t0 * 8 + koff
+        k0 = _unpack_words(gl.expand_dims(gl.load(kp), 2), KL)
+        k1 = _unpack_words(gl.expand_dims(gl.load(kp + 4), 2), KL)
+        # [tokens, t, (i = 2s + h, e)] -> [tokens, (s, h, t, e)]: κ = 16s + 8h + 2t + e.
+        a0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k0, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
+                                          [BLOCK_N, 64]), a_op, assert_trivial=True)
+        a1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k1, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
+                                          [BLOCK_N, 64]), a_op, assert_trivial=True)
+        s = mma_v2(a1, q1, mma_v2(a0, q0, s_init))
+
+        ksc0, ksc1 = _tile_meta(ksc, t0, ML, CR)
+        kz0, kz1 = _tile_meta(kz, t0, ML, CR)
+        kst0 = gl.exp2(ksc0 * 0.125 + (log2_scale - 16.0))
+        kst1 = gl.exp2(ksc1 * 0.125 + (log2_scale - 16.0))
+        kst = gl.where(grp1, kst1[:, None], kst0[:, None])
+        kzc = gl.where(grp1, kz1[:, None], kz0[:, None])
+        x = gl.sum(gl.reshape(kst * (s + kzc * q_sum4[None, :]), [BLOCK_N, R4, 2]), axis=2)
+        x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
+        m_tile = gl.max(x, axis=0)
+        if gl.max(m_tile - m, axis=0) > 8.0:
+            m_new = gl.maximum(m, m_tile)
+            alpha = gl.exp2(m - m_new)
+            l = l * alpha[None, :]
+            w_sum0 = w_sum0 * alpha[None, :]
+            w_sum1 = w_sum1 * alpha[None, :]
+            z_sum0 = z_sum0 * alpha[None, :]
+            z_sum1 = z_sum1 * alpha[None, :]
+            if R4 < NP:
+                alpha_c = gl.reshape(gl.join(alpha, alpha), [NP])
+            else:
+                alpha_c = alpha
+            alpha_c = gl.convert_layout(alpha_c, gl.SliceLayout(0, mma))[None, :]
+            o0 = o0 * alpha_c
+            o1 = o1 * alpha_c
+            m = m_new
+        p = gl.exp2(x - m[None, :])
+        l += p
+
+        # Value weights w_g = p·step_g (bf16): the products' B operand, and their sums.
+        vsc0, vsc1 = _tile_meta(vsc, t0, ML, XR)
+        vz0, vz1 = _tile_meta(vz, t0, ML, XR)
+        vst0 = gl.exp2(vsc0 * 0.125 - 16.0)
+        vst1 = gl.exp2(vsc1 * 0.125 - 16.0)
+        w0 = (p * vst0[:, None]).to(gl.bfloat16)
+        w1 = (p * vst1[:, None]).to(gl.bfloat16)
+        wf0 = w0.to(gl.float32)
+        wf1 = w1.to(gl.float32)
+        w_sum0 += wf0
+        w_sum1 += wf1
+        z_sum0 += wf0 * vz0[:, None]
+        z_sum1 += wf1 * vz1[:, None]
+        if R4 < NP:
+            w0 = gl.reshape(gl.join(w0, gl.zeros_like(w0)), [BLOCK_N, NP])
+            w1 = gl.reshape(gl.join(w1, gl.zeros_like(w1)), [BLOCK_N, NP])
+        b0 = gl.convert_layout(w0, b_op)
+        b1 = gl.convert_layout(w1, b_op)
+
+        # Values: half-word a of the tokens of rows 2u and 2u + 1 (8 tokens apart), joined in one word.
+        vp = vh + t0 * 16 + voff
+        u0 = _unpack_words(gl.expand_dims(_pair(gl.load(vp), gl.load(vp + 128)), 2), VL)
+        u1 = _unpack_words(gl.expand_dims(_pair(gl.load(vp + 8), gl.load(vp + 136)), 2), VL)
+        # [pairs u, a, (i, e)] -> [(i, a), (u, e)]: rows κ = 8i + a, columns token 2u + e.
+        v0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u0, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
+                                          [64, BLOCK_N]), a_op, assert_trivial=True)
+        v1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u1, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
+                                          [64, BLOCK_N]), a_op, assert_trivial=True)
+        o0 = mma_v2(v0, b0, o0)
+        o1 = mma_v2(v1, b1, o1)
+
+    # Output channel 64B + π(κ) of head r: 4^-ρ(κ)·(O^T_B[κ, r] − 128·Σw_B) + Σ w_B z_B/4.
+    kappa = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    oc = gl.arange(0, NP, layout=gl.SliceLayout(0, mma))
+    r = oc // (NP // R4)
+    real = ((oc % (NP // R4)) == 0) & (r < HG)
+    rho = _rho_scale(kappa)[:, None]
+    ws0 = gl.sum(w_sum0, axis=0)
+    ws1 = gl.sum(w_sum1, axis=0)
+    zs0 = 0.25 * gl.sum(z_sum0, axis=0)
+    zs1 = 0.25 * gl.sum(z_sum1, axis=0)
+    if R4 < NP:
+        ws0 = gl.reshape(gl.join(ws0, ws0), [NP])
+        ws1 = gl.reshape(gl.join(ws1, ws1), [NP])
+        zs0 = gl.reshape(gl.join(zs0, zs0), [NP])
+        zs1 = gl.reshape(gl.join(zs1, zs1), [NP])
+    cols: gl.constexpr = gl.SliceLayout(0, mma)
+    ws0 = gl.convert_layout(ws0, cols)[None, :]
+    ws1 = gl.convert_layout(ws1, cols)[None, :]
+    zs0 = gl.convert_layout(zs0, cols)[None, :]
+    zs1 = gl.convert_layout(zs1, cols)[None, :]
+    optr = po_ptr + (slot * HG + r)[None, :] * D + (8 * (kappa % 8) + kappa // 8)[:, None]
+    omask = real[None, :] & (kappa >= 0)[:, None]
+    gl.store(optr, rho * (o0 - 128.0 * ws0) + zs0, mask=omask)
+    gl.store(optr + 64, rho * (o1 - 128.0 * ws1) + zs1, mask=omask)
+    l = gl.sum(l, axis=0)
+    rr = gl.arange(0, R4, layout=HL)
+    gl.store(pm_ptr + slot * HG + rr, m, mask=rr < HG)
+    gl.store(pl_ptr + slot * HG + rr, l, mask=rr < HG)
