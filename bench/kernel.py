@@ -322,6 +322,16 @@ def render(rows, sweep, wr, bandwidth, shapes=()) -> str:
     return "\n".join(lines)
 
 
+def prefetching(*args, **kw):
+    """decode_attention with the Gluon INT2 programs loading the next tile ahead (decode_gluon.PREFETCH)."""
+    from oscar_core.triton import decode_gluon
+    decode_gluon.PREFETCH = True
+    try:
+        return decode.decode_attention(*args, **kw)
+    finally:
+        decode_gluon.PREFETCH = False
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/kernel.md")
@@ -360,6 +370,10 @@ def main():
             extra[key] = [("baseline", {}, base.decode_attention)]
     for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1), (8192, 1)):
         extra.setdefault(key, []).append(("triton INT2 (v7)", dict(gluon=False)))
+    for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1), (8192, 1)):
+        extra[key].append(("gluon prefetch", {}, prefetching))
+    for key in ((100_000, 1), (100_000, 32)):
+        extra[key] += [("gluon waves 24", dict(waves=24)), ("gluon waves 96", dict(waves=96))]
     for key in ((100_000, 1), (100_000, 32)):
         extra.setdefault(key, []).append(("fused (1 launch)", dict(fused=True)))
     rows, sweep = [], []

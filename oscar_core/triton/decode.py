@@ -607,7 +607,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
             q_in, cache.key_codes.view(torch.int32), cache.key_scale, cache.key_zero,
             cache.value_codes.view(torch.int16), cache.value_scale, cache.value_zero, cache.lengths, po, pm, pl,
             math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
-            HKV=kv_heads, HG=hg, R4=4, S=cache.sink_tokens, W=cache.recent_tokens, NW=nw, BLOCK_N=64, num_warps=1)
+            HKV=kv_heads, HG=hg, R4=4, S=cache.sink_tokens, W=cache.recent_tokens, NW=nw, BLOCK_N=64,
+            PREFETCH=_gluon().PREFETCH, num_warps=1)
     _split_kernel[(nw if gluon else ns, bsz * kv_heads)](
         q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
         cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,

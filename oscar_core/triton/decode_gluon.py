@@ -46,6 +46,10 @@ lop3.b32 $7, s12, 0x000c000c, 0x43004300, 0xEA;
 }"""
 _UNPACK = gl.constexpr(_UNPACK_TEXT)
 
+# Load the next tile's bytes while this one computes (221 registers a thread against 128 without:
+# 9 against 16 one-warp programs per multiprocessor). Read by decode.decode_attention at each launch.
+PREFETCH = False
+
 
 @gluon.jit
 def _unpack_words(words, L3: gl.constexpr):
@@ -63,16 +67,37 @@ def _pair(lo, hi):
 
 
 @gluon.jit
-def _tile_meta(ptr, t0, ML: gl.constexpr, RL: gl.constexpr):
-    """Scale or zero codes (uint8 / int8 [T, 2]) of the tile's tokens as float32, per group, in row order m
-    (row m holds token 8·(m mod 8) + m div 8): one 16-byte load of 8 consecutive tokens per thread."""
+def _load_meta(ptr, t0, ML: gl.constexpr):
+    """Scale or zero codes (uint8 / int8 [T, 2]) of tokens t0 .. t0 + 63: one 16-byte load of 8 consecutive
+    tokens per thread, [8, 16]."""
     g = gl.arange(0, 8, layout=gl.SliceLayout(1, ML))
     j = gl.arange(0, 16, layout=gl.SliceLayout(0, ML))
-    x = gl.load(ptr + 2 * gl.multiple_of(t0, 64) + (16 * g)[:, None] + j[None, :]).to(gl.float32)
-    x0, x1 = gl.split(gl.reshape(x, [8, 8, 2]))
+    return gl.load(ptr + 2 * gl.multiple_of(t0, 64) + (16 * g)[:, None] + j[None, :])
+
+
+@gluon.jit
+def _tile_meta(x, RL: gl.constexpr):
+    """_load_meta's bytes as float32 per group, in row order m (row m holds token 8·(m mod 8) + m div 8)."""
+    x0, x1 = gl.split(gl.reshape(x.to(gl.float32), [8, 8, 2]))
     x0 = gl.convert_layout(gl.reshape(gl.permute(x0, [1, 0]), [64]), RL, assert_trivial=True)
     x1 = gl.convert_layout(gl.reshape(gl.permute(x1, [1, 0]), [64]), RL, assert_trivial=True)
     return x0, x1
+
+
+@gluon.jit
+def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML: gl.constexpr):
+    """Every byte of tile t0: key words of both blocks, value halves joined in pairs, metadata."""
+    kp = kw + t0 * 8 + koff
+    vp = vh + t0 * 16 + voff
+    return (gl.load(kp), gl.load(kp + 4), _pair(gl.load(vp), gl.load(vp + 128)),
+            _pair(gl.load(vp + 8), gl.load(vp + 136)), _load_meta(ksc, t0, ML), _load_meta(kz, t0, ML),
+            _load_meta(vsc, t0, ML), _load_meta(vz, t0, ML))
+
+
+@gluon.jit
+def _rowsum(x):
+    """[64, R] -> [8, R]: the sum over each thread's own rows m = g + 8j (over j, no lane crossing)."""
+    return gl.sum(gl.reshape(x, [8, 8, x.shape[1]]), axis=0)
 
 
 @gluon.jit
@@ -87,7 +112,7 @@ def _rho_scale(kappa):
 def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
                        log2_scale, T, n_int2_splits, min_chunk, NS,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
-                       NW: gl.constexpr, BLOCK_N: gl.constexpr):
+                       NW: gl.constexpr, BLOCK_N: gl.constexpr, PREFETCH: gl.constexpr):
     """Program (i, bh): INT2 split NW + i of (sequence, KV head) bh. qt: q̃ bf16 [B, H, 128]; kw: key
     codes as int32 words [B, H_kv, T, 8]; vh: value codes as int16 halves [B, H_kv, T, 16]; ksc, kz, vsc, vz:
     scale (uint8) and zero (int8) codes [B, H_kv, T, 2]. T must be a multiple of BLOCK_N."""
@@ -161,19 +186,28 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     # The running max moves only when a tile's max passes it by more than 8 (base 2), so weights stay
     # below 2^8 and most tiles skip the rescale (a warp-uniform branch: one warp per program).
     m = gl.full([R4], -1e30, gl.float32, HL)
-    l = gl.zeros([BLOCK_N, R4], gl.float32, XL)
-    w_sum0 = gl.zeros([BLOCK_N, R4], gl.float32, XL)
-    w_sum1 = gl.zeros([BLOCK_N, R4], gl.float32, XL)
-    z_sum0 = gl.zeros([BLOCK_N, R4], gl.float32, XL)
-    z_sum1 = gl.zeros([BLOCK_N, R4], gl.float32, XL)
-    o0 = gl.zeros([64, NP], gl.float32, mma)
-    o1 = gl.zeros([64, NP], gl.float32, mma)
+    # Per-thread partial sums over its rows, [8, R4] (lane g holds rows g + 8j): l, Σw_g, Σ w_g·z_g.
+    zero8 = _rowsum(gl.zeros([BLOCK_N, R4], gl.float32, XL))
+    l = zero8
+    w_sum0 = zero8
+    w_sum1 = zero8
+    z_sum0 = zero8
+    z_sum1 = zero8
+    o_zero = gl.zeros([64, NP], gl.float32, mma)
+    o0 = o_zero
+    o1 = o_zero
+    if PREFETCH:   # the next tile's bytes are loaded while this one computes
+        nxt = _load_tile(kw, vh, ksc, kz, vsc, vz, gl.minimum(start, T - BLOCK_N), koff, voff, ML)
     for t0 in range(start, end, BLOCK_N):
         # Rows up to t0 + BLOCK_N exist (T is a multiple of BLOCK_N): loads unmasked, scores masked.
-        # Keys: word t of each 64-channel block per token row.
-        kp = kw + t0 * 8 + koff
-        k0 = _unpack_words(gl.expand_dims(gl.load(kp), 2), KL)
-        k1 = _unpack_words(gl.expand_dims(gl.load(kp + 4), 2), KL)
+        if PREFETCH:
+            cur = nxt
+            nxt = _load_tile(kw, vh, ksc, kz, vsc, vz, gl.minimum(t0 + BLOCK_N, T - BLOCK_N), koff, voff, ML)
+        else:
+            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML)
+        kw0, kw1, vw0, vw1, kscb, kzb, vscb, vzb = cur
+        k0 = _unpack_words(gl.expand_dims(kw0, 2), KL)
+        k1 = _unpack_words(gl.expand_dims(kw1, 2), KL)
         # [tokens, t, (i = 2s + h, e)] -> [tokens, (s, h, t, e)]: κ = 16s + 8h + 2t + e.
         a0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k0, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
                                           [BLOCK_N, 64]), a_op, assert_trivial=True)
@@ -181,8 +215,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                                           [BLOCK_N, 64]), a_op, assert_trivial=True)
         s = mma_v2(a1, q1, mma_v2(a0, q0, s_init))
 
-        ksc0, ksc1 = _tile_meta(ksc, t0, ML, CR)
-        kz0, kz1 = _tile_meta(kz, t0, ML, CR)
+        ksc0, ksc1 = _tile_meta(kscb, CR)
+        kz0, kz1 = _tile_meta(kzb, CR)
         kst0 = gl.exp2(ksc0 * 0.125 + (log2_scale - 16.0))
         kst1 = gl.exp2(ksc1 * 0.125 + (log2_scale - 16.0))
         kst = gl.where(grp1, kst1[:, None], kst0[:, None])
@@ -193,11 +227,12 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         if gl.max(m_tile - m, axis=0) > 8.0:
             m_new = gl.maximum(m, m_tile)
             alpha = gl.exp2(m - m_new)
-            l = l * alpha[None, :]
-            w_sum0 = w_sum0 * alpha[None, :]
-            w_sum1 = w_sum1 * alpha[None, :]
-            z_sum0 = z_sum0 * alpha[None, :]
-            z_sum1 = z_sum1 * alpha[None, :]
+            alpha8 = gl.convert_layout(alpha, gl.SliceLayout(0, zero8.type.layout))[None, :]
+            l = l * alpha8
+            w_sum0 = w_sum0 * alpha8
+            w_sum1 = w_sum1 * alpha8
+            z_sum0 = z_sum0 * alpha8
+            z_sum1 = z_sum1 * alpha8
             if R4 < NP:
                 alpha_c = gl.reshape(gl.join(alpha, alpha), [NP])
             else:
@@ -207,21 +242,21 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             o1 = o1 * alpha_c
             m = m_new
         p = gl.exp2(x - m[None, :])
-        l += p
+        l += _rowsum(p)
 
         # Value weights w_g = p·step_g (bf16): the products' B operand, and their sums.
-        vsc0, vsc1 = _tile_meta(vsc, t0, ML, XR)
-        vz0, vz1 = _tile_meta(vz, t0, ML, XR)
+        vsc0, vsc1 = _tile_meta(vscb, XR)
+        vz0, vz1 = _tile_meta(vzb, XR)
         vst0 = gl.exp2(vsc0 * 0.125 - 16.0)
         vst1 = gl.exp2(vsc1 * 0.125 - 16.0)
         w0 = (p * vst0[:, None]).to(gl.bfloat16)
         w1 = (p * vst1[:, None]).to(gl.bfloat16)
         wf0 = w0.to(gl.float32)
         wf1 = w1.to(gl.float32)
-        w_sum0 += wf0
-        w_sum1 += wf1
-        z_sum0 += wf0 * vz0[:, None]
-        z_sum1 += wf1 * vz1[:, None]
+        w_sum0 += _rowsum(wf0)
+        w_sum1 += _rowsum(wf1)
+        z_sum0 += _rowsum(wf0 * vz0[:, None])
+        z_sum1 += _rowsum(wf1 * vz1[:, None])
         if R4 < NP:
             w0 = gl.reshape(gl.join(w0, gl.zeros_like(w0)), [BLOCK_N, NP])
             w1 = gl.reshape(gl.join(w1, gl.zeros_like(w1)), [BLOCK_N, NP])
@@ -229,16 +264,17 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         b1 = gl.convert_layout(w1, b_op)
 
         # Values: half-word a of the tokens of rows 2u and 2u + 1 (8 tokens apart), joined in one word.
-        vp = vh + t0 * 16 + voff
-        u0 = _unpack_words(gl.expand_dims(_pair(gl.load(vp), gl.load(vp + 128)), 2), VL)
-        u1 = _unpack_words(gl.expand_dims(_pair(gl.load(vp + 8), gl.load(vp + 136)), 2), VL)
+        u0 = _unpack_words(gl.expand_dims(vw0, 2), VL)
+        u1 = _unpack_words(gl.expand_dims(vw1, 2), VL)
         # [pairs u, a, (i, e)] -> [(i, a), (u, e)]: rows κ = 8i + a, columns token 2u + e.
         v0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u0, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
                                           [64, BLOCK_N]), a_op, assert_trivial=True)
         v1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u1, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
                                           [64, BLOCK_N]), a_op, assert_trivial=True)
-        o0 = mma_v2(v0, b0, o0)
-        o1 = mma_v2(v1, b1, o1)
+        # A fresh accumulator per tile, added with round-to-nearest float32 adds: chained through the
+        # tensor cores over a long chunk, the 128·Σw offset in the codes lost precision (4e-3 at 4K rows).
+        o0 += mma_v2(v0, b0, o_zero)
+        o1 += mma_v2(v1, b1, o_zero)
 
     # Output channel 64B + π(κ) of head r: 4^-ρ(κ)·(O^T_B[κ, r] − 128·Σw_B) + Σ w_B z_B/4.
     kappa = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
@@ -246,10 +282,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     r = oc // (NP // R4)
     real = ((oc % (NP // R4)) == 0) & (r < HG)
     rho = _rho_scale(kappa)[:, None]
-    ws0 = gl.sum(w_sum0, axis=0)
-    ws1 = gl.sum(w_sum1, axis=0)
-    zs0 = 0.25 * gl.sum(z_sum0, axis=0)
-    zs1 = 0.25 * gl.sum(z_sum1, axis=0)
+    ws0 = gl.convert_layout(gl.sum(w_sum0, axis=0), HL)
+    ws1 = gl.convert_layout(gl.sum(w_sum1, axis=0), HL)
+    zs0 = gl.convert_layout(0.25 * gl.sum(z_sum0, axis=0), HL)
+    zs1 = gl.convert_layout(0.25 * gl.sum(z_sum1, axis=0), HL)
     if R4 < NP:
         ws0 = gl.reshape(gl.join(ws0, ws0), [NP])
         ws1 = gl.reshape(gl.join(ws1, ws1), [NP])
@@ -264,7 +300,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     omask = real[None, :] & (kappa >= 0)[:, None]
     gl.store(optr, rho * (o0 - 128.0 * ws0) + zs0, mask=omask)
     gl.store(optr + 64, rho * (o1 - 128.0 * ws1) + zs1, mask=omask)
-    l = gl.sum(l, axis=0)
+    l = gl.convert_layout(gl.sum(l, axis=0), HL)
     rr = gl.arange(0, R4, layout=HL)
     gl.store(pm_ptr + slot * HG + rr, m, mask=rr < HG)
     gl.store(pl_ptr + slot * HG + rr, l, mask=rr < HG)
