@@ -222,7 +222,7 @@ def bench_shapes(gen) -> list:
             run = lambda: decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation,  # noqa: E731
                                                   layer.value_mean, scaling, max_length=longest)
             row.update(err=errs[0], err_nomean=errs[1], gint2=graph_bench(run),
-                       launch="3 launches",
+                       launch="Gluon INT2 + Triton windows" if decode.gluon_supported(q, cache) else "Triton",
                        cfg=f"n{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}")
             if len(set(lengths)) == 1:
                 q4 = q[:, :, None]
@@ -372,8 +372,6 @@ def main():
         extra.setdefault(key, []).append(("triton INT2 (v7)", dict(gluon=False)))
     for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1), (8192, 1)):
         extra[key].append(("gluon prefetch", {}, prefetching))
-    for key in ((100_000, 1), (100_000, 32)):
-        extra[key] += [("gluon waves 24", dict(waves=24)), ("gluon waves 96", dict(waves=96))]
     for key in ((100_000, 1), (100_000, 32)):
         extra.setdefault(key, []).append(("fused (1 launch)", dict(fused=True)))
     rows, sweep = [], []

@@ -440,7 +440,9 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
 
     per_seq = store(1, context)
     bf16 = num_layers * 2 * kv_heads * context * head_dim * 2
-    out = dict(bytes_per_token=store(1, sink_tokens + recent_tokens + 2) - store(1, sink_tokens + recent_tokens + 1),
+    block = kvstore.ROW_BLOCK   # rows are allocated in whole blocks: one block's bytes over its rows
+    window = sink_tokens + recent_tokens
+    out = dict(bytes_per_token=(store(1, window + 2 * block) - store(1, window + block)) // block,
                bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
                bits_per_element=round(8 * per_seq / (num_layers * 2 * kv_heads * context * head_dim), 4))
     if budget_bytes is not None:

@@ -524,10 +524,15 @@ def gluon_supported(q: torch.Tensor, cache: Int2KVCache) -> bool:
     """Whether the Gluon INT2 programs (decode_gluon.py) serve this call: a CUDA device of compute
     capability 8.0 or newer, head_dim 128, groups of 64, up to 4 query heads per KV head, whole 64-row
     blocks of INT2 rows (kvstore.int2_rows allocates them so)."""
-    if not q.is_cuda or _gluon() is None or torch.cuda.get_device_capability(q.device)[0] < 8:
+    if not q.is_cuda or _gluon() is None or _capability(q.device)[0] < 8:
         return False
     return (q.shape[-1] == 128 and cache.key_group_size == cache.value_group_size == 64
             and q.shape[1] // cache.key_codes.shape[1] <= 4 and cache.key_codes.shape[2] % 64 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -557,7 +562,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
     Launch settings left as None come from default_config (key_t: the score tile's orientation).
     gluon: the INT2 programs in Gluon (decode_gluon.py, one launch of their own beside the window programs);
-    None: wherever gluon_supported says they run, True to require them (ValueError where they cannot).
+    None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs or 64K INT2 rows;
+    True to require them (ValueError where they cannot).
     Every sequence needs at least one token. The cache tensors must be contiguous.
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
@@ -567,14 +573,15 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     check_shape(heads, kv_heads, d, gk, gv)
     if use_asm is None:
         use_asm = q.is_cuda
-    if gluon is None:
-        gluon = not fused and gluon_supported(q, cache)
-    elif gluon and (fused or not gluon_supported(q, cache)):
-        raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 128, groups of 64, "
-                         "at most 4 query heads per KV head, whole 64-row INT2 blocks, and fused=False")
     if max_length is None:
         max_length = cache.key_codes.shape[2] + cache.sink_tokens + cache.recent_tokens
     max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
+    if gluon is None:
+        # Up to 16 (sequence, KV head) pairs and 64K rows the Triton programs' one launch fewer wins (kernel.md).
+        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 65536)
+    elif gluon and (fused or not gluon_supported(q, cache)):
+        raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 128, groups of 64, "
+                         "at most 4 query heads per KV head, whole 64-row INT2 blocks, and fused=False")
     cfg = default_config(bsz, kv_heads, d, gluon)
     block_n = 64 if gluon else block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
