@@ -67,7 +67,7 @@ def random_bundle(layers: int, kv_heads: int = 8, d: int = 128):
             tensors[(i, f"{side}_mean")] = 0.1 * torch.randn(kv_heads, d, generator=gen, device="cuda")
             tensors[(i, f"{side}_clip")] = torch.full((kv_heads,), clip, device="cuda")
     manifest = SimpleNamespace(
-        name="random", model=SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=d),
+        name="random", model=SimpleNamespace(num_layers=layers, num_heads=32, num_kv_heads=kv_heads, head_dim=d),
         quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=64, recent_tokens=256),
         rotation=SimpleNamespace(layers=None))
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get((i, name)))
