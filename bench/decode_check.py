@@ -50,16 +50,16 @@ def main() -> int:
         for mean in (layer.value_mean, None):
             ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, mean,
                                                      0.125)
-            for gluon, prefetch in ((True, False), (True, True), (False, False)):
-                decode_gluon.PREFETCH = prefetch
+            for gluon, stages in ((True, 0), (True, 2), (True, 3), (False, 0)):
+                default, decode_gluon.STAGES = decode_gluon.STAGES, stages
                 out = torch.full_like(q, float("nan"))
                 decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, mean, 0.125, out=out,
                                         gluon=gluon)
-                decode_gluon.PREFETCH = False
+                decode_gluon.STAGES = default
                 err = ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
                 worst = max(worst, err if err == err else float("inf"))
                 print(f"heads {heads}/{kv_heads} lengths {lengths[:4]} windows {sink}+{recent} "
-                      f"mean {mean is not None} gluon {gluon} prefetch {prefetch}: max rel err {err:.2e}", flush=True)
+                      f"mean {mean is not None} gluon {gluon} stages {stages}: max rel err {err:.2e}", flush=True)
     print(f"worst {worst:.2e}")
     return 0 if worst < 1e-2 else 1
 

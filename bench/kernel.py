@@ -322,14 +322,16 @@ def render(rows, sweep, wr, bandwidth, shapes=()) -> str:
     return "\n".join(lines)
 
 
-def prefetching(*args, **kw):
-    """decode_attention with the Gluon INT2 programs loading the next tile ahead (decode_gluon.PREFETCH)."""
-    from oscar_core.triton import decode_gluon
-    decode_gluon.PREFETCH = True
-    try:
-        return decode.decode_attention(*args, **kw)
-    finally:
-        decode_gluon.PREFETCH = False
+def with_stages(stages):
+    """decode_attention with the Gluon INT2 programs' ring of `stages` tiles (decode_gluon.STAGES)."""
+    def run(*args, **kw):
+        from oscar_core.triton import decode_gluon
+        default, decode_gluon.STAGES = decode_gluon.STAGES, stages
+        try:
+            return decode.decode_attention(*args, **kw)
+        finally:
+            decode_gluon.STAGES = default
+    return run
 
 
 def main():
@@ -371,7 +373,8 @@ def main():
     for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1), (8192, 1)):
         extra.setdefault(key, []).append(("triton INT2 (v7)", dict(gluon=False)))
     for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1), (8192, 1)):
-        extra[key].append(("gluon prefetch", {}, prefetching))
+        extra[key].append(("gluon, loads in registers", dict(gluon=True), with_stages(0)))
+        extra[key].append(("gluon, 3-tile ring", dict(gluon=True), with_stages(3)))
     for key in ((100_000, 1), (100_000, 32)):
         extra.setdefault(key, []).append(("fused (1 launch)", dict(fused=True)))
     rows, sweep = [], []

@@ -317,7 +317,16 @@ def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.
         o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
         m_run = m_new
     o = o / tl.where(rmask, l_sum, 1.0)[:, None]
-    # R_V^T by blocks of BLOCK_E output columns (a small shared-memory operand per product).
+    _rotate_out(o, rv_ptr, mean_ptr, out_ptr, bh, h, HG, D, QP, BLOCK_E, HAS_MEAN, F32)
+
+
+@triton.jit
+def _rotate_out(o, rv_ptr, mean_ptr, out_ptr, bh, h, HG: tl.constexpr, D: tl.constexpr, QP: tl.constexpr,
+                BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
+    """out[bh·HG + r] = õ[r]·R_V^T + μ_V for the HG heads (rows of o [QP, D]), by blocks of BLOCK_E output
+    columns (a small shared-memory operand per product)."""
+    r = tl.arange(0, QP)
+    c = tl.arange(0, D)
     for e0 in tl.static_range(0, D, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
@@ -328,7 +337,7 @@ def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.
         if HAS_MEAN:
             y += tl.load(mean_ptr + h * D + e)[None, :]
         tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None])
+                 mask=(r < HG)[:, None])
 
 
 @triton.jit
@@ -379,22 +388,25 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
 
 
 @triton.jit
-def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
-                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
-                   SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for columns [e0, e0 + BLOCK_E);
-    SB splits per step, merged with a running max; empty splits (l_s = 0) are skipped unread. The merge of
-    _merge with the work spread over column blocks: the default (v6), measured faster (kernel_notes.md v7)."""
+def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
+                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr,
+                   SB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr,
+                   F32: tl.constexpr):
+    """Program (bh, j): õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s for columns c of block j
+    ([j·BLOCK_C, (j + 1)·BLOCK_C)), SB splits per step with a running max, empty splits (l_s = 0) unread;
+    õ goes back over split 0's partial (only this program reads those columns). The last of the D / BLOCK_C
+    programs of bh (an atomic counter, which it resets) then writes o = õ·R_V^T + μ_V for the HG heads.
+    So every partial is read once, by D / BLOCK_C programs a pair (v6 read all of them in each)."""
     bh = tl.program_id(0)
-    e0 = tl.program_id(1) * BLOCK_E
+    c0 = tl.program_id(1) * BLOCK_C
     h = bh % HKV
     r = tl.arange(0, HGP)
     rmask = r < HG
-    c = tl.arange(0, D)
+    c = c0 + tl.arange(0, BLOCK_C)
     base = bh * NS * HG
     m_run = tl.full([HGP], -1e30, tl.float32)
     l_sum = tl.zeros([HGP], tl.float32)
-    o = tl.zeros([HGP, D], tl.float32)
+    o = tl.zeros([HGP, BLOCK_C], tl.float32)
     for s0 in range(0, NS, SB):
         s = s0 + tl.arange(0, SB)
         mask = (s < NS)[:, None] & rmask[None, :]
@@ -410,12 +422,17 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, NS,
         o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
         m_run = m_new
     o = o / tl.where(rmask, l_sum, 1.0)[:, None]
-    e = e0 + tl.arange(0, BLOCK_E)
-    rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
-    y = tl.sum(o[:, :, None] * rvt[None, :, :], axis=1)
-    if HAS_MEAN:
-        y += tl.load(mean_ptr + h * D + e)[None, :]
-    tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(po_ptr + (base + r)[:, None] * D + c[None, :], o, mask=rmask[:, None])
+    # Every thread's columns are stored before the counter moves (barrier, then a release at GPU scope).
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
+    if done == D // BLOCK_C - 1:
+        rq = tl.arange(0, QP)
+        cc = tl.arange(0, D)
+        merged = tl.load(po_ptr + (base + rq)[:, None] * D + cc[None, :], mask=(rq < HG)[:, None], other=0.0,
+                         cache_modifier=".cg")
+        _rotate_out(merged, rv_ptr, mean_ptr, out_ptr, bh, h, HG, D, QP, BLOCK_E, HAS_MEAN, F32)
+        tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
 
 
 @triton.jit
@@ -461,8 +478,9 @@ def _pow2(n: int) -> int:
 def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms: int, waves: int = 4,
                 min_chunk: int = 0):
     """(chunk, number of INT2 splits): INT2 rows per split (a multiple of block_n, at least min_chunk),
-    and enough INT2 splits to give about `waves` programs per multiprocessor."""
-    want = max(1, -(-waves * num_sms // (batch * kv_heads)))
+    and as many INT2 splits as keep the programs within `waves` per multiprocessor (rounded down, so a
+    `waves` equal to the programs one multiprocessor holds makes one whole wave, not one and a sliver)."""
+    want = max(1, waves * num_sms // (batch * kv_heads))
     chunk = max(block_n, min_chunk, -(-max(max_int2, 1) // want))
     chunk = -(-chunk // block_n) * block_n
     return chunk, -(-max_int2 // chunk)
@@ -475,10 +493,11 @@ def default_config(batch: int, kv_heads: int, head_dim: int = 128, gluon: bool =
     per tile, enough of them (waves 48) to fill every multiprocessor, at least 512 rows each. Up to 16 pairs
     (batch 1-2), four-warp programs. Each setting was compiled offline for sm_90 (triton 3.6) to fit shared
     memory without spilling in the loop. The Gluon INT2 programs are one warp of 64-token tiles at every
-    batch (their products need no shared memory), waves 48, at least 512 rows each."""
+    batch (their products need no shared memory), one whole wave of them (decode_attention counts the
+    programs a multiprocessor holds), at least 512 rows each."""
     pairs = batch * kv_heads
     if gluon:
-        return dict(block_n=64, num_warps=1, num_stages=1, waves=48, key_t=True, min_chunk=512)
+        return dict(block_n=64, num_warps=1, num_stages=1, waves=16, key_t=True, min_chunk=512)
     if pairs > 16:
         cfg = dict(block_n=64, num_warps=1, num_stages=4 if pairs >= 128 else 3, waves=48, key_t=pairs >= 128,
                    min_chunk=512)
@@ -535,6 +554,27 @@ def _capability(device: torch.device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
+_GLUON_SLOTS: dict = {}
+
+
+def _gluon_programs_per_sm(cache: Int2KVCache, constexprs: dict, device: torch.device) -> int:
+    """One-warp Gluon programs a multiprocessor holds, from the compiled kernel (compiled once per setting,
+    without launching): 65,536 registers and its shared memory, less the 1 KiB the driver keeps a program,
+    shared among them. Triton 3.6 compiles the loop to 128 registers a thread (16 programs), later ones
+    to more; the grid is sized for whichever runs."""
+    key = (device, tuple(sorted(constexprs.items())))
+    if key not in _GLUON_SLOTS:
+        qt = torch.empty(1, dtype=torch.bfloat16, device=device)
+        f32 = torch.empty(1, dtype=torch.float32, device=device)
+        args = _gluon_args(qt, cache, f32, f32, f32, 1.0, 2, 512, 2)
+        compiled = _gluon()._int2_split_kernel.warmup(*args, grid=(1, 1), num_warps=1, **constexprs)
+        compiled._init_handles()
+        regs = -(-compiled.n_regs // 8) * 8
+        smem = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
+        _GLUON_SLOTS[key] = max(1, min(32, 65536 // (32 * regs), smem // (compiled.metadata.shared + 1024)))
+    return _GLUON_SLOTS[key]
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon():
     """The decode_gluon module, or None where this triton has no Gluon."""
@@ -543,6 +583,13 @@ def _gluon():
     except ImportError:
         return None
     return decode_gluon
+
+
+def _gluon_args(qt, cache, po, pm, pl, log2_scale, n_int2, min_chunk, ns) -> tuple:
+    """decode_gluon._int2_split_kernel's arguments before its constexprs (zeros read as bytes)."""
+    return (qt, cache.key_codes.view(torch.int32), cache.key_scale, cache.key_zero.view(torch.uint8),
+            cache.value_codes.view(torch.int16), cache.value_scale, cache.value_zero.view(torch.uint8),
+            cache.lengths, po, pm, pl, log2_scale, cache.key_codes.shape[2], n_int2, min_chunk, ns)
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
@@ -586,11 +633,15 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     block_n = 64 if gluon else block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
+    nw = -(-(cache.sink_tokens + cache.recent_tokens) // block_w)
+    if gluon:
+        consts = dict(HKV=kv_heads, HG=hg, R4=4, S=cache.sink_tokens, W=cache.recent_tokens, NW=nw, BLOCK_N=64,
+                      STAGES=_gluon().STAGES)
+        cfg["waves"] = _gluon_programs_per_sm(cache, consts, q.device)
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
     # At least one INT2 program per pair, so a sequence longer than max_length is still read whole.
     _, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
-    nw = -(-(cache.sink_tokens + cache.recent_tokens) // block_w)
     ns = nw + max(n_int2, 1)
 
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
@@ -607,15 +658,12 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     rk = key_rotation.float().contiguous()
     rv = value_rotation.float().contiguous()
     mean = value_mean.float().contiguous() if value_mean is not None else rv
-    counters = _counters(q.device, bsz * kv_heads) if fused else pm
+    counters = _counters(q.device, bsz * kv_heads)
     scale_log2 = scaling * LOG2E
     if gluon:
         _gluon()._int2_split_kernel[(max(n_int2, 1), bsz * kv_heads)](
-            q_in, cache.key_codes.view(torch.int32), cache.key_scale, cache.key_zero,
-            cache.value_codes.view(torch.int16), cache.value_scale, cache.value_zero, cache.lengths, po, pm, pl,
-            math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
-            HKV=kv_heads, HG=hg, R4=4, S=cache.sink_tokens, W=cache.recent_tokens, NW=nw, BLOCK_N=64,
-            PREFETCH=_gluon().PREFETCH, num_warps=1)
+            *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), max(n_int2, 1), cfg["min_chunk"], ns),
+            num_warps=1, **consts)
     _split_kernel[(nw if gluon else ns, bsz * kv_heads)](
         q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
         cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
@@ -626,8 +674,9 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
         num_warps=num_warps, num_stages=num_stages)
     if not fused:
-        block_e = min(d, 16)
-        _reduce_kernel[(bsz * kv_heads, d // block_e)](
-            po, pm, pl, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(32, max(8, _pow2(ns))),
-            BLOCK_E=block_e, HAS_MEAN=value_mean is not None, num_warps=4)
+        block_c = min(d, 16)
+        _reduce_kernel[(bsz * kv_heads, d // block_c)](
+            po, pm, pl, counters, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), QP=qp,
+            SB=min(8192 // (_pow2(hg) * block_c), max(8, _pow2(ns))), BLOCK_C=block_c, BLOCK_E=min(d, 16),
+            HAS_MEAN=value_mean is not None, F32=not q.is_cuda, num_warps=4)
     return out

@@ -28,7 +28,11 @@ the keys (the score accumulator starts at −128·Σ_κ q̂_κ) and once at the 
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# Names that differ between triton 3.6 (the GPU image) and later releases.
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 _UNPACK_TEXT = """{
 .reg .b32 w, s6, s12;
@@ -46,9 +50,10 @@ lop3.b32 $7, s12, 0x000c000c, 0x43004300, 0xEA;
 }"""
 _UNPACK = gl.constexpr(_UNPACK_TEXT)
 
-# Load the next tile's bytes while this one computes (221 registers a thread against 128 without:
-# 9 against 16 one-warp programs per multiprocessor). Read by decode.decode_attention at each launch.
-PREFETCH = False
+# Tiles in the shared-memory ring: each program copies tile n + STAGES − 1 (cp.async) while it computes
+# tile n, so the loads' latency hides behind the products without holding registers; 0 loads each tile
+# straight into registers when it is needed. Read by decode.decode_attention at each launch.
+STAGES = 0
 
 
 @gluon.jit
@@ -85,13 +90,39 @@ def _tile_meta(x, RL: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML: gl.constexpr):
-    """Every byte of tile t0: key words of both blocks, value halves joined in pairs, metadata."""
-    kp = kw + t0 * 8 + koff
+def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML: gl.constexpr, KW: gl.constexpr):
+    """Every byte of tile t0: key words 2t and 2t + 1 of each row (one 8-byte load), value halves joined
+    in pairs, metadata."""
+    kw0, kw1 = gl.split(gl.load(kw + t0 * 8 + koff))
+    kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
+    kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
     vp = vh + t0 * 16 + voff
-    return (gl.load(kp), gl.load(kp + 4), _pair(gl.load(vp), gl.load(vp + 128)),
+    return (kw0, kw1, _pair(gl.load(vp), gl.load(vp + 128)),
             _pair(gl.load(vp + 8), gl.load(vp + 136)), _load_meta(ksc, t0, ML), _load_meta(kz, t0, ML),
             _load_meta(vsc, t0, ML), _load_meta(vz, t0, ML))
+
+
+@gluon.jit
+def _issue(ksm, vsm, msm, st, kw, vh, mp, t0, kc, vc):
+    """Start copying tile t0's bytes into stage st of the ring (cp.async, 16 bytes a copy)."""
+    _async_load(ksm.index(st), kw + t0 * 8 + kc)
+    _async_load(vsm.index(st), vh + t0 * 16 + vc)
+    _async_load(msm.index(st), mp + t0 * 2)
+
+
+@gluon.jit
+def _read_tile(ksm, vsm, msm, st, KW: gl.constexpr, VS: gl.constexpr, ML: gl.constexpr):
+    """_load_tile's registers, from stage st of the ring."""
+    K8: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0])
+    x = ksm.index(st).load(K8)
+    kw0, kw1 = gl.split(gl.reshape(x, [x.shape[0], 4, 2]))
+    kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
+    kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
+    v = vsm.index(st)
+    m = msm.index(st)
+    return (kw0, kw1, _pair(v.slice(0, 32).load(VS), v.slice(64, 32).load(VS)),
+            _pair(v.slice(32, 32).load(VS), v.slice(96, 32).load(VS)), m.slice(0, 8).load(ML),
+            m.slice(8, 8).load(ML), m.slice(16, 8).load(ML), m.slice(24, 8).load(ML))
 
 
 @gluon.jit
@@ -112,18 +143,22 @@ def _rho_scale(kappa):
 def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
                        log2_scale, T, n_int2_splits, min_chunk, NS,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
-                       NW: gl.constexpr, BLOCK_N: gl.constexpr, PREFETCH: gl.constexpr):
+                       NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Program (i, bh): INT2 split NW + i of (sequence, KV head) bh. qt: q̃ bf16 [B, H, 128]; kw: key
     codes as int32 words [B, H_kv, T, 8]; vh: value codes as int16 halves [B, H_kv, T, 16]; ksc, kz, vsc, vz:
-    scale (uint8) and zero (int8) codes [B, H_kv, T, 2]. T must be a multiple of BLOCK_N."""
+    scale and zero codes as bytes [B, H_kv, T, 2] (zeros are int8 read as uint8). T must be a multiple of
+    BLOCK_N."""
     D: gl.constexpr = 128
     NC: gl.constexpr = 2 * R4                   # score columns (g, r), g the key group
     NP: gl.constexpr = 8 if R4 < 8 else R4      # value product columns (heads, padded to the mma's n = 8)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # Key words [tokens, t, slot]: lane = 4·g + t holds token rows g + 8j, word t of the block.
+    # Key words [tokens, t, slot]: lane = 4·g + t holds token rows g + 8j, word 2t (first product) or
+    # 2t + 1 (second) of the row; loaded as [tokens, t, 2] in K2.
     KL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])
+    K2: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 4, 1], [1, 1, 1], [2, 1, 0])
+    KW: gl.constexpr = gl.SliceLayout(2, KL)
     # Value halves [token pairs, a, slot]: lane = 4·a + t holds pairs t + 4j, half-word a of the block.
     VL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 8, 1], [1, 1, 1], [2, 0, 1])
 
@@ -138,17 +173,19 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     start = (sid - NW) * chunk
     end = gl.minimum(start + chunk, n_int2)
 
-    # Query operands Q̂_B [κ, (r, g)] = q̃[r, 64B + π(κ)]·4^-ρ in group g = B, else 0 (column 2r + g, so a
-    # thread's two score columns are the two groups of one head); loop invariant.
+    # Query operands Q̂_o [κ, (r, g)] = q̃[r, c_o(κ)]·4^-ρ if channel c_o(κ) is in group g, else 0 (column
+    # 2r + g, so a thread's two score columns are the two groups of one head); loop invariant. Product o
+    # reads row word 2t + o at κ = 16s + 8h + 2t + e: half e, field i = 2s + h = κ div 8, so channel
+    # c_o(κ) = 8·(2·(2t + o) + e) + i, in group t div 2.
     qk = gl.arange(0, 64, layout=gl.SliceLayout(1, b_op))
     qc = gl.arange(0, NC, layout=gl.SliceLayout(0, b_op))
     qrow = (b * HKV + bh % HKV) * HG + qc // 2
     qmask = (qc // 2 < HG)[None, :]
-    qoff = qrow[None, :] * D + (8 * (qk % 8) + qk // 8)[:, None]
+    qoff = qrow[None, :] * D + (32 * ((qk % 8) // 2) + 8 * (qk % 2) + qk // 8)[:, None]
+    qsel = qmask & (((qk % 8) // 4)[:, None] == (qc % 2)[None, :])
     rho = _rho_scale(qk)[:, None]
-    qf0 = gl.where(qmask & (qc % 2 == 0)[None, :], gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
-    qf1 = gl.where(qmask & (qc % 2 == 1)[None, :], gl.load(qt_ptr + qoff + 64, mask=qmask, other=0.0).to(gl.float32),
-                   0.0)
+    qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
+    qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + 16, mask=qmask, other=0.0).to(gl.float32), 0.0)
     q0 = (qf0 * rho).to(gl.bfloat16)
     q1 = (qf1 * rho).to(gl.bfloat16)
     # Σ_κ q̂ (for the 128 offset) and Σ_c q̃ per group (for the key zero term), as score columns.
@@ -165,9 +202,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     ML: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0])
     # Row m of the tile (the mma's M for keys, K for values) holds token σ(m) = 8·(m mod 8) + m div 8, so a
     # thread's 8 rows are 8 consecutive tokens. Offsets in int64 so constant parts fold into the loads.
-    km = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL))).to(gl.int64)
-    koff = ((8 * (km % 8) + km // 8) * 8)[:, None] \
-        + gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL))).to(gl.int64)[None, :]
+    km = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, K2))).to(gl.int64)
+    kt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K2))).to(gl.int64)
+    kj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, K2))).to(gl.int64)
+    koff = ((8 * (km % 8) + km // 8) * 8)[:, None, None] + (2 * kt)[None, :, None] + kj[None, None, :]
     vu = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL))).to(gl.int64)
     voff = ((8 * ((2 * vu) % 8) + (2 * vu) // 8) * 16)[:, None] \
         + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL))).to(gl.int64)[None, :]
@@ -196,15 +234,49 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     o_zero = gl.zeros([64, NP], gl.float32, mma)
     o0 = o_zero
     o1 = o_zero
-    if PREFETCH:   # the next tile's bytes are loaded while this one computes
-        nxt = _load_tile(kw, vh, ksc, kz, vsc, vz, gl.minimum(start, T - BLOCK_N), koff, voff, ML)
+    if STAGES > 0:
+        # The ring, rows in tile-row order: keys [m, word] (token σ(m)); values [32·(2e + B) + u, a] = half
+        # 8B + a of tile row 2u + e; metadata [8·array + g, j] = byte j of tokens 8g .. 8g + 7. Every read
+        # is then free of bank conflicts (consecutive lanes read consecutive rows).
+        S2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        ksm = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], S2)
+        vsm = gl.allocate_shared_memory(gl.int16, [STAGES, 2 * BLOCK_N, 8], S2)
+        msm = gl.allocate_shared_memory(gl.uint8, [STAGES, 32, 16], S2)
+        # Copy layouts: 16 bytes a thread a copy (nine a tile), no two threads on the same bytes.
+        KC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0])
+        VC: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+        MC: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
+        cm = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KC))
+        kc = ((8 * (cm % 8) + cm // 8) * 8)[:, None] + gl.arange(0, 8, layout=gl.SliceLayout(0, KC))[None, :]
+        cr = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(1, VC))
+        crow = 2 * (cr % 32) + cr // 64
+        vc = ((8 * (crow % 8) + crow // 8) * 16 + 8 * ((cr // 32) % 2))[:, None] \
+            + gl.arange(0, 8, layout=gl.SliceLayout(0, VC))[None, :]
+        ca = gl.arange(0, 32, layout=gl.SliceLayout(1, MC))
+        mbase = gl.where(ca < 8, ksc, gl.where(ca < 16, kz, gl.where(ca < 24, vsc, vz)))
+        mp = (mbase + 16 * (ca % 8))[:, None] + gl.arange(0, 16, layout=gl.SliceLayout(0, MC))[None, :]
+        mp = gl.max_contiguous(gl.multiple_of(mp, [16, 16]), [1, 16])   # lost through the select
+        for i in gl.static_range(STAGES - 1):
+            if start + i * BLOCK_N < end:
+                _issue(ksm, vsm, msm, i, kw, vh, mp, start + i * BLOCK_N, kc, vc)
+            async_copy.commit_group()
     for t0 in range(start, end, BLOCK_N):
         # Rows up to t0 + BLOCK_N exist (T is a multiple of BLOCK_N): loads unmasked, scores masked.
-        if PREFETCH:
-            cur = nxt
-            nxt = _load_tile(kw, vh, ksc, kz, vsc, vz, gl.minimum(t0 + BLOCK_N, T - BLOCK_N), koff, voff, ML)
+        if STAGES > 0:
+            it = (t0 - start) // BLOCK_N
+            async_copy.wait_group(STAGES - 2)
+            # Every lane's copies of this tile have landed, and every lane is done reading the stage the
+            # next copy overwrites (it held the previous tile).
+            _barrier()
+            t_next = t0 + (STAGES - 1) * BLOCK_N
+            nxt = (it + STAGES - 1) % STAGES
+            if t_next < end:
+                _issue(ksm, vsm, msm, nxt, kw, vh, mp, t_next, kc, vc)
+            async_copy.commit_group()
+            st = it % STAGES
+            cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL), ML)
         else:
-            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML)
+            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML, KW)
         kw0, kw1, vw0, vw1, kscb, kzb, vscb, vzb = cur
         k0 = _unpack_words(gl.expand_dims(kw0, 2), KL)
         k1 = _unpack_words(gl.expand_dims(kw1, 2), KL)
@@ -216,7 +288,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         s = mma_v2(a1, q1, mma_v2(a0, q0, s_init))
 
         ksc0, ksc1 = _tile_meta(kscb, CR)
-        kz0, kz1 = _tile_meta(kzb, CR)
+        kz0, kz1 = _tile_meta(kzb.to(gl.int8, bitcast=True), CR)
         kst0 = gl.exp2(ksc0 * 0.125 + (log2_scale - 16.0))
         kst1 = gl.exp2(ksc1 * 0.125 + (log2_scale - 16.0))
         kst = gl.where(grp1, kst1[:, None], kst0[:, None])
@@ -246,7 +318,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
 
         # Value weights w_g = p·step_g (bf16): the products' B operand, and their sums.
         vsc0, vsc1 = _tile_meta(vscb, XR)
-        vz0, vz1 = _tile_meta(vzb, XR)
+        vz0, vz1 = _tile_meta(vzb.to(gl.int8, bitcast=True), XR)
         vst0 = gl.exp2(vsc0 * 0.125 - 16.0)
         vst1 = gl.exp2(vsc1 * 0.125 - 16.0)
         w0 = (p * vst0[:, None]).to(gl.bfloat16)
