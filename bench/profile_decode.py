@@ -40,7 +40,7 @@ def main():
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache = random_cache(args.batch, 8, args.context, gen)
-    rot = torch.linalg.qr(torch.randn(8, 128, 128, device="cuda", dtype=torch.float64))[0].float()
+    rot = torch.linalg.qr(torch.randn(8, 128, 128, device="cuda", dtype=torch.float64))[0].float().contiguous()
     q = torch.randn(args.batch, 32, 128, device="cuda", dtype=torch.bfloat16)
     gluon = None if args.gluon < 0 else bool(args.gluon)
     for _ in range(args.calls):

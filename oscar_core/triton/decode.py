@@ -29,6 +29,7 @@ to group g, value rows carry a = p·step_g; the rows of each group are summed (k
 of group g picked (values) afterwards.
 """
 
+import contextlib
 import functools
 import math
 
@@ -388,22 +389,26 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
 
 
 @triton.jit
-def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
-                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr,
-                   SB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr,
-                   F32: tl.constexpr):
-    """Program (bh, j): õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s for columns c of block j
-    ([j·BLOCK_C, (j + 1)·BLOCK_C)), SB splits per step with a running max, empty splits (l_s = 0) unread;
-    õ goes back over split 0's partial (only this program reads those columns). The last of the D / BLOCK_C
-    programs of bh (an atomic counter, which it resets) then writes o = õ·R_V^T + μ_V for the HG heads.
-    So every partial is read once, by D / BLOCK_C programs a pair (v6 read all of them in each)."""
+def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
+                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
+                   SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """Program (bh, j), for the columns c of block j ([j·BLOCK_C, (j + 1)·BLOCK_C)):
+      õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s   (SB splits a step, running max; splits
+                                                                 with l_s = 0 are empty and left unread)
+      y_j[r, :] = Σ_{c in block j} õ[r, c]·R_V[:, c]            (its share of õ·R_V^T, float32, to py)
+    and the last of the D / BLOCK_C programs of bh (an atomic counter, which it resets) writes
+    o = Σ_j y_j + μ_V, the partials summed in a fixed order. Every partial is read once, and no program
+    waits on a serial chain of products."""
     bh = tl.program_id(0)
-    c0 = tl.program_id(1) * BLOCK_C
+    j = tl.program_id(1)
+    c0 = j * BLOCK_C
     h = bh % HKV
     r = tl.arange(0, HGP)
     rmask = r < HG
     c = c0 + tl.arange(0, BLOCK_C)
+    e = tl.arange(0, D)
     base = bh * NS * HG
+    rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])       # R_V[e, c] as [c, e]
     m_run = tl.full([HGP], -1e30, tl.float32)
     l_sum = tl.zeros([HGP], tl.float32)
     o = tl.zeros([HGP, BLOCK_C], tl.float32)
@@ -422,16 +427,20 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, N
         o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
         m_run = m_new
     o = o / tl.where(rmask, l_sum, 1.0)[:, None]
-    tl.store(po_ptr + (base + r)[:, None] * D + c[None, :], o, mask=rmask[:, None])
-    # Every thread's columns are stored before the counter moves (barrier, then a release at GPU scope).
+    y = tl.sum(o[:, :, None] * rvt[None, :, :], axis=1)
+    ys = py_ptr + (bh * (D // BLOCK_C) * HGP + r[:, None]) * D + e[None, :]
+    tl.store(ys + j * HGP * D, y)
+    # Every thread's share is stored before the counter moves (barrier, then a release at GPU scope).
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
     if done == D // BLOCK_C - 1:
-        rq = tl.arange(0, QP)
-        cc = tl.arange(0, D)
-        merged = tl.load(po_ptr + (base + rq)[:, None] * D + cc[None, :], mask=(rq < HG)[:, None], other=0.0,
-                         cache_modifier=".cg")
-        _rotate_out(merged, rv_ptr, mean_ptr, out_ptr, bh, h, HG, D, QP, BLOCK_E, HAS_MEAN, F32)
+        total = tl.zeros([HGP, D], tl.float32)
+        for i in range(D // BLOCK_C):
+            total += tl.load(ys + i * HGP * D, cache_modifier=".cg")
+        if HAS_MEAN:
+            total += tl.load(mean_ptr + h * D + e)[None, :]
+        tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None])
         tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
 
 
@@ -464,6 +473,11 @@ def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tens
         q.contiguous(), key_rotation.float().contiguous(), out, HKV=kv_heads, HG=hg, HGP=_pow2(hg), D=d,
         BLOCK_E=block_e, num_warps=4)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -651,8 +665,11 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     sb = 1 << (sb.bit_length() - 1)
     q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation)
     split = bsz * kv_heads * ns * hg
-    work = torch.empty(split * (d + 2), dtype=torch.float32, device=q.device)
-    po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):]
+    block_c = min(d, 16)
+    shares = bsz * kv_heads * (d // block_c) * _pow2(hg) * d     # the reduce's float32 shares of õ·R_V^T
+    work = torch.empty(split * (d + 2) + shares, dtype=torch.float32, device=q.device)
+    po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):split * (d + 2)]
+    py = work[split * (d + 2):]
     if out is None:
         out = torch.empty(bsz, heads, d, dtype=q.dtype, device=q.device)
     rk = key_rotation.float().contiguous()
@@ -660,23 +677,31 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     mean = value_mean.float().contiguous() if value_mean is not None else rv
     counters = _counters(q.device, bsz * kv_heads)
     scale_log2 = scaling * LOG2E
+    # Captured into a CUDA graph, the window programs run on a stream of their own beside the Gluon INT2
+    # programs (two branches of the graph); eager calls keep one stream (their time is the host's).
+    side = _side_stream(q.device) if gluon and torch.cuda.is_current_stream_capturing() else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        # The window programs (with gluon), or every program.
+        _split_kernel[(nw if gluon else ns, bsz * kv_heads)](
+            q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
+            cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale,
+            cache.value_zero, cache.lengths, po, pm, pl, counters, rv, mean, out,
+            scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
+            HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
+            QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16), KEY_T=key_t,
+            USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
+            num_warps=num_warps, num_stages=num_stages)
     if gluon:
         _gluon()._int2_split_kernel[(max(n_int2, 1), bsz * kv_heads)](
             *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), max(n_int2, 1), cfg["min_chunk"], ns),
             num_warps=1, **consts)
-    _split_kernel[(nw if gluon else ns, bsz * kv_heads)](
-        q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
-        cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
-        cache.lengths, po, pm, pl, counters, rv, mean, out,
-        scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
-        HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
-        QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16), KEY_T=key_t, USE_ASM=use_asm,
-        ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
-        num_warps=num_warps, num_stages=num_stages)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     if not fused:
-        block_c = min(d, 16)
         _reduce_kernel[(bsz * kv_heads, d // block_c)](
-            po, pm, pl, counters, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), QP=qp,
-            SB=min(8192 // (_pow2(hg) * block_c), max(8, _pow2(ns))), BLOCK_C=block_c, BLOCK_E=min(d, 16),
-            HAS_MEAN=value_mean is not None, F32=not q.is_cuda, num_warps=4)
+            po, pm, pl, py, counters, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg),
+            SB=min(8192 // (_pow2(hg) * block_c), max(8, _pow2(ns))), BLOCK_C=block_c,
+            HAS_MEAN=value_mean is not None, num_warps=4)
     return out
