@@ -250,9 +250,9 @@ def render(rows, sweep, wr, bandwidth, shapes=()) -> str:
         f"- measured copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s",
         "- times: median of triton.testing.do_bench (L2 cleared before each run), eager (a Python call per "
         "run, as a plain caller sees it) and CUDA-graph replay (as a serving engine runs decode); INT2 time "
-        "includes the query rotation (inside the split kernel up to 16 (sequence, KV head) pairs, else a launch "
-        "of its own) and the split kernel, whose last program per (sequence, KV head) merges the splits and "
-        "applies R_V^T and μ_V",
+        "includes every launch of a call: the query rotation, the split programs (BF16 windows and INT2 rows; "
+        "with the Gluon programs two launches, side by side in a graph) and the reduce, which merges the "
+        "splits and applies R_V^T and μ_V",
         "- byte floor: fewest bytes the INT2 decode must move (codes, scale/zero codes, BF16 windows, q, out) "
         "over the copy bandwidth; 'of floor' = floor time / graph time",
         "- err: max over rows of ‖out − ref‖/‖ref‖ against kvstore.decode_attention_reference (float32)",

@@ -7,10 +7,12 @@ the INT2 rows of sequence b in chunks of whole tiles sized by b's own length (so
 depends on the data). Each writes the unnormalized output, the running max m and the sum l of its
 slice; the merge combines the slices with a running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s,
 and returns to original space, o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
-Default: three launches (_rotate_kernel for q̃ = q·R_K in bf16, _split_kernel, _reduce_kernel). fused:
-one launch, the query rotated inside every program and the merge done by the last program of each
-(sequence, KV head) to finish, counted by an atomic counter it resets (correct, measured slower:
-bench/results/kernel_notes.md v7).
+Default: three launches (_rotate_kernel for q̃ = q·R_K in bf16, _split_kernel, _reduce_kernel), four
+where decode_gluon's programs take the INT2 rows and _split_kernel only the windows (inside a CUDA graph
+the two run side by side). _reduce_kernel merges each block of columns once, each program applies its
+columns' share of R_V^T, and the last program of a (sequence, KV head) sums the shares (an atomic counter
+it resets). fused: one launch, the query rotated inside every program and the merge done by the last
+program of each (sequence, KV head) to finish (correct, measured slower: bench/results/kernel_notes.md v7).
 
 INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
 values u_i = m_i·code_i, m = (1, 4, 16, 16) (see _unpack: no integer-to-float conversion). With
@@ -623,7 +625,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
     Launch settings left as None come from default_config (key_t: the score tile's orientation).
     gluon: the INT2 programs in Gluon (decode_gluon.py, one launch of their own beside the window programs);
-    None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs or 64K INT2 rows;
+    None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs or 16K INT2 rows;
     True to require them (ValueError where they cannot).
     Every sequence needs at least one token. The cache tensors must be contiguous.
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
@@ -638,8 +640,9 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         max_length = cache.key_codes.shape[2] + cache.sink_tokens + cache.recent_tokens
     max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
     if gluon is None:
-        # Up to 16 (sequence, KV head) pairs and 64K rows the Triton programs' one launch fewer wins (kernel.md).
-        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 65536)
+        # Up to 16 (sequence, KV head) pairs the Triton programs' one launch fewer wins at 8K tokens, the Gluon
+        # programs at 32K (kernel.md, batch 1: 0.025 against 0.033 ms, 0.044 against 0.039).
+        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 16384)
     elif gluon and (fused or not gluon_supported(q, cache)):
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 128, groups of 64, "
                          "at most 4 query heads per KV head, whole 64-row INT2 blocks, and fused=False")
