@@ -1,7 +1,7 @@
 """INT2 split programs of decode attention in Gluon: the packed bytes loaded straight into mma operands.
 
 One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 128,
-groups of 64 channels, up to 8 query heads per KV head. It replaces the INT2 programs of
+groups of 64 channels, up to 4 query heads per KV head. It replaces the INT2 programs of
 decode._split_kernel (same partial outputs po, pm, pl, merged by decode._reduce_kernel).
 
 The store's layout already is the operands' layout. quant.pack_int2 puts channel 4j + i of a token in
@@ -11,8 +11,10 @@ a % 2, bits 2i) holds channel 8a + i. The kernel numbers the block's channels tr
 product does not depend on the order of its terms, so q̃ is loaded in the same order and the outputs
 stored back through π. In κ order:
   keys, S^T = K·Q̂^T (tokens as M): thread (g, t) of the warp needs, for its token rows, the pairs
-    κ = 8i + 2t + e (e = 0, 1) for every i: word t of the block, and each pair is the two 16-bit
-    halves of that word at bits 2i, so one lop3 makes a bf16x2 register of the A operand;
+    κ = 8i + 2t + e (e = 0, 1) for every i: one 32-bit word of the row, and each pair is the two 16-bit
+    halves of that word at bits 2i, so one lop3 makes a bf16x2 register of the A operand. The two
+    products of a tile take words 2t and 2t + 1 (one 8-byte load a row), so each spans both groups;
+    the query operand keeps a column's own group's channels and zeroes the other's;
   values, O^T = V^T·W (channels as M): thread (g, t) needs channels κ = 8i + g for token pairs
     (2t, 2t + 1): half-word g of each token; the two tokens' halves joined in one word give bf16x2
     registers by the same lop3.
