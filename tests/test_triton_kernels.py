@@ -211,3 +211,7 @@ def test_plan_splits_fills_the_machine():
     assert chunk == 512 and splits == 16
     chunk, splits = decode.plan_splits(batch=32, kv_heads=8, max_int2=0, block_n=64, num_sms=132)
     assert splits == 0
+    # 16 programs a multiprocessor: 256 pairs x 8 splits = 2,048 of 2,112 slots, one wave (9 would make 2,304).
+    chunk, splits = decode.plan_splits(batch=32, kv_heads=8, max_int2=99_680, block_n=64, num_sms=132, waves=16,
+                                       min_chunk=512)
+    assert splits == 8 and chunk * splits >= 99_680
