@@ -320,16 +320,7 @@ def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.
         o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
         m_run = m_new
     o = o / tl.where(rmask, l_sum, 1.0)[:, None]
-    _rotate_out(o, rv_ptr, mean_ptr, out_ptr, bh, h, HG, D, QP, BLOCK_E, HAS_MEAN, F32)
-
-
-@triton.jit
-def _rotate_out(o, rv_ptr, mean_ptr, out_ptr, bh, h, HG: tl.constexpr, D: tl.constexpr, QP: tl.constexpr,
-                BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
-    """out[bh·HG + r] = õ[r]·R_V^T + μ_V for the HG heads (rows of o [QP, D]), by blocks of BLOCK_E output
-    columns (a small shared-memory operand per product)."""
-    r = tl.arange(0, QP)
-    c = tl.arange(0, D)
+    # R_V^T by blocks of BLOCK_E output columns (a small shared-memory operand per product).
     for e0 in tl.static_range(0, D, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
@@ -340,7 +331,7 @@ def _rotate_out(o, rv_ptr, mean_ptr, out_ptr, bh, h, HG: tl.constexpr, D: tl.con
         if HAS_MEAN:
             y += tl.load(mean_ptr + h * D + e)[None, :]
         tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=(r < HG)[:, None])
+                 mask=rmask[:, None])
 
 
 @triton.jit
@@ -669,7 +660,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation)
     split = bsz * kv_heads * ns * hg
     block_c = min(d, 16)
-    shares = bsz * kv_heads * (d // block_c) * _pow2(hg) * d     # the reduce's float32 shares of õ·R_V^T
+    shares = 0 if fused else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
     work = torch.empty(split * (d + 2) + shares, dtype=torch.float32, device=q.device)
     po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):split * (d + 2)]
     py = work[split * (d + 2):]

@@ -27,7 +27,6 @@ the keys (the score accumulator starts at −128·Σ_κ q̂_κ) and once at the 
 (−128·Σ_n w_n, with the zero term Σ_n w_n z_n/4 over the same bf16 weights w = p·step).
 """
 
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
