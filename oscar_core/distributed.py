@@ -159,6 +159,21 @@ def failure_line(rank: int, failure) -> str:
     return f"calibration process {rank} exited with code {failure.exitcode}"
 
 
+def root_failure(failures: dict) -> tuple:
+    """The (rank, failure) that caused the others. A process killed from outside (any signal but the SIGTERM
+    with which torchrun stops the rest) comes first, then one that raised an OscarError, then the earliest.
+    A killed process's peers fail too (gloo: connection reset) and their records can be stamped earlier than
+    the agent's notice of the death, so the earliest failure is not always the cause."""
+    def cause(item):
+        rank, failure = item
+        raised = isinstance(failure.message, dict)
+        killed = not raised and failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
+        user_error = raised and str(failure.message.get("message", "")).startswith("OscarError: ")
+        return 0 if killed else 1 if user_error else 2, failure.timestamp, rank
+
+    return min(failures.items(), key=cause)
+
+
 def launch(args: list[str], processes: int, module: str = "oscar_cli") -> None:
     """Run `python -m module args` in `processes` processes on this host with torchrun (torch.distributed.run).
 
@@ -184,7 +199,7 @@ def launch(args: list[str], processes: int, module: str = "oscar_cli") -> None:
                     logging.getLogger(name).setLevel(logging.CRITICAL)
             run(parsed)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         raise OscarError(failure_line(rank, failure)) from None
     except SignalException:
         raise KeyboardInterrupt from None

@@ -147,6 +147,23 @@ def test_failure_lines():
     assert distributed.failure_line(1, killed).startswith("calibration process 1 died: Signal 9 (SIGKILL)")
 
 
+def test_the_killed_process_is_the_cause_even_when_its_peer_failed_first():
+    """Rank 1 is killed; rank 0's gloo read fails (connection reset), is stamped earlier, and is then stopped by
+    torchrun with SIGTERM (what a CPU run here showed)."""
+    from types import SimpleNamespace
+
+    reset = SimpleNamespace(message={"message": "RuntimeError: Read error: Connection reset by peer"}, exitcode=-15,
+                            timestamp=100)
+    killed = SimpleNamespace(message="Signal 9 (SIGKILL) received by PID 7", exitcode=-9, timestamp=101)
+    assert distributed.root_failure({0: reset, 1: killed}) == (1, killed)
+    user = SimpleNamespace(message={"message": "OscarError: data source x holds no text"}, exitcode=1, timestamp=102)
+    assert distributed.root_failure({0: reset, 2: user}) == (2, user)
+    earlier = SimpleNamespace(message={"message": "RuntimeError: boom"}, exitcode=1, timestamp=99)
+    assert distributed.root_failure({0: reset, 2: earlier}) == (2, earlier)
+    stopped = SimpleNamespace(message="Signal 15 (SIGTERM) received by PID 8", exitcode=-15, timestamp=103)
+    assert distributed.root_failure({0: earlier, 1: stopped}) == (0, earlier)
+
+
 def test_device_plan_splits_layers_and_refuses_a_model_that_fits_nowhere():
     from accelerate import init_empty_weights
     from accelerate.utils import compute_module_sizes
