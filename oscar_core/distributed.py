@@ -178,7 +178,7 @@ def launch(args: list[str], processes: int, module: str = "oscar_cli") -> None:
     """Run `python -m module args` in `processes` processes on this host with torchrun (torch.distributed.run).
 
     Rank 0 keeps the terminal; the others' output goes to a temporary log directory. A failure raises one
-    OscarError line: the first failing process's own message, or how it died.
+    OscarError line: the message of the process whose failure caused the others (root_failure), or how it died.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
