@@ -53,6 +53,15 @@ class ModelInfo(Strict):
     rope_position: Literal["post_rope"] = "post_rope"
 
 
+class LayerQuant(Strict):
+    """How one layer's keys are quantized, and the figures that decided it (oscar_core/derive.choose_key_axis)."""
+    layer: int
+    key_axis: Literal["token", "channel"] = Field(
+        description="token: groups of G channels of one token; channel: groups of G tokens of one channel")
+    errors: dict[str, float] = Field(default_factory=dict, description="candidate -> its relative attention-output "
+                                     "error on the calibration probe (keys quantized alone)")
+
+
 class QuantInfo(Strict):
     bits: Literal[2] = 2
     key_group_size: int = 64
@@ -65,6 +74,8 @@ class QuantInfo(Strict):
     sink_tokens: int = 64
     recent_tokens: int = 256
     bits_per_element: dict[str, float] = Field(description="context length -> average bits per K/V element")
+    layers: list[LayerQuant] | None = Field(None, description="per layer with rotations, the key axis chosen and "
+                                            "why; None: every layer's keys per token (bundles before it)")
 
 
 class RotationInfo(Strict):
@@ -140,6 +151,13 @@ class Bundle(BaseModel):
     def layer(self, i: int, name: str) -> torch.Tensor | None:
         return self.tensors.get(f"layers.{i}.{name}")
 
+    def key_axis(self, i: int) -> str:
+        """"token" or "channel": how layer i's keys are grouped for INT2 (manifest quant.layers)."""
+        for entry in self.manifest.quant.layers or ():
+            if entry.layer == i:
+                return entry.key_axis
+        return "token"
+
 
 def bundle_layers(m: Manifest) -> list[int]:
     """The global ids of the layers that carry rotations: every layer, or a hybrid model's attention layers."""
@@ -181,13 +199,15 @@ def canonical_header(data: bytes) -> bytes:
 
 
 def manifest_json(manifest: Manifest) -> str:
-    """Canonical JSON; the optional fields added after schema 1 shipped (source, rotation.layers) are left out
+    """Canonical JSON; the optional fields added after schema 1 shipped (source, rotation.layers, quant.layers) are left out
     when unset, so manifests written before them keep their bytes."""
     dump = manifest.model_dump(mode="json")
     if dump["source"] is None:
         del dump["source"]
     if dump["rotation"]["layers"] is None:
         del dump["rotation"]["layers"]
+    if dump["quant"]["layers"] is None:
+        del dump["quant"]["layers"]
     return canonical_json(dump)
 
 

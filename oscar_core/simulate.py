@@ -51,7 +51,7 @@ def simulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     k_q, v_q = _int2(lm.key, k_bf, sink), _int2(lm.value, v_bf, sink)
     q = query.float().reshape(bsz, kv_heads, group, tq, d)
     out = torch.empty(bsz, kv_heads, group, tq, d, dtype=torch.float32, device=query.device)
-    blocks = [side.token_block for side in (lm.key, lm.value) if side is not None] or [1]
+    block = lm.token_block
     for start in range(0, tq, chunk):
         stop = min(start + chunk, tq)
         n = stop - start
@@ -60,10 +60,10 @@ def simulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         first, last = int(pos[0]), int(pos[-1])
         # Keys in [sink, lo) are INT2 for every query of the chunk: last(t) ≤ t + b − 1 ≤ first − recent.
         s = min(sink, last + 1)
-        lo = min(max(s, first - recent - max(blocks) + 2), last + 1)
+        lo = min(max(s, first - recent - block + 2), last + 1)
         cols = torch.cat([torch.arange(s, device=query.device), torch.arange(lo, last + 1, device=query.device)])
-        mk = methods.int2_mask(pos, last + 1, lm.key, sink, recent)[:, cols].repeat(group, 1)
-        mv = methods.int2_mask(pos, last + 1, lm.value, sink, recent)[:, cols].repeat(group, 1)
+        mk = methods.int2_mask(pos, last + 1, lm.key, sink, recent, block)[:, cols].repeat(group, 1)
+        mv = methods.int2_mask(pos, last + 1, lm.value, sink, recent, block)[:, cols].repeat(group, 1)
         causal = (cols[None, :] <= pos[:, None]).repeat(group, 1)
         # Band (sink and keys near the chunk): one score per key, against the exact or the INT2 key,
         # whichever the cache holds for this query.
