@@ -202,13 +202,9 @@ def bits_per_element(method: str, context: int, bundle=None) -> float:
         return float(quant.BF16_BITS)
     sink, recent = windows(method, bundle)
     d = 64 if bundle is None else bundle.manifest.model.head_dim
-    layers = [0] if bundle is None else bundle_layers(bundle.manifest)
     out = []
-    for layer in layers:
+    for layer in ([0] if bundle is None else bundle_layers(bundle.manifest)):
         lm = layer_method(method, layer, 1, d, bundle)
-        b = lm.token_block
-        int2 = max(context - sink - recent, 0) // b * b
-        for side in (lm.key, lm.value):
-            bits = (context - int2) * quant.BF16_BITS + int2 * (2 + quant.METADATA_BITS_PER_GROUP / side.group_size)
-            out.append(bits / max(context, 1))
+        out += [quant.bits_per_element(context, side.group_size, sink, recent, lm.token_block)
+                for side in (lm.key, lm.value)]
     return sum(out) / len(out)
