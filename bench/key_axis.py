@@ -43,7 +43,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path, _ = export_bundle(args.calib, tmp, version="token", name=m.name,
                                 opts=DeriveOptions(key_group_size=m.quant.key_group_size,
-                                                   value_group_size=m.quant.value_group_size, key_axes=("token",)),
+                                                   value_group_size=m.quant.value_group_size, key_formats=(("token", "oscar"),)),
                                 sink_tokens=m.quant.sink_tokens, recent_tokens=m.quant.recent_tokens)
         token_only = load_bundle(path)
     loaded = load_model(args.model or m.calibration.model_source)

@@ -58,8 +58,9 @@ class LayerQuant(Strict):
     layer: int
     key_axis: Literal["token", "channel"] = Field(
         description="token: groups of G channels of one token; channel: groups of G tokens of one channel")
-    errors: dict[str, float] = Field(default_factory=dict, description="candidate -> its relative attention-output "
-                                     "error on the calibration probe (keys quantized alone)")
+    key_format: str = Field(description="the axis and the rotation of the kept keys, e.g. 'channel U_Q'")
+    errors: dict[str, float] = Field(default_factory=dict, description="candidate format -> the relative attention-"
+                                     "output error its keys (alone) leave on the calibration probe")
 
 
 class QuantInfo(Strict):

@@ -26,7 +26,7 @@ import torch
 
 from oscar_core.metrics import causal_attention
 from oscar_core.quant import fake_quantize
-from oscar_core.rotations import rotation
+from oscar_core.rotations import label, rotation
 
 CLIP_GRID = tuple(round(1.0 - 0.02 * i, 2) for i in range(26))  # 1.00, 0.98, ..., 0.50
 KEY_CLIP_FLOOR = 0.8
@@ -65,8 +65,9 @@ class DeriveOptions:
     # long-context retrieval query reads; on the H100 (bench/results/key_clip.md) the floor took OSCAR's 8K
     # needle from 0/40 to 9/40 (KIVI-style 3/30, Hadamard 1/30 on shared prompts) for +1.8% perplexity at 8K.
     key_clip_floor: float = KEY_CLIP_FLOOR
-    # The key axes derive_layer chooses from per layer (KEY_AXES: "token", "channel"); one axis: no choice.
-    key_axes: tuple[str, ...] = ("token", "channel")
+    # The key formats derive_layer chooses from per layer: (axis, rotation) pairs, the axis one of KEY_AXES, the
+    # rotation a rotations.VARIANTS name for "channel" (for "token" key_rotation is used). One pair: no choice.
+    key_formats: tuple[tuple[str, str], ...] = (("token", "oscar"), ("channel", "none"), ("channel", "eigen"))
 
 
 def quantize_rotated(x: torch.Tensor, r: torch.Tensor, mean: torch.Tensor | None, clip, group_size: int,
@@ -158,12 +159,11 @@ def search_clip(errors_at, grid) -> torch.Tensor:
 def derive_keys(stats, layer: int, variant: str, centering: bool, group_size: int, sink_tokens: int,
                 grid=CLIP_GRID, objective: str = "logit", axis: str = "token") -> dict[str, torch.Tensor]:
     """R_K, c_K and (if centering) μ_K of one layer for keys grouped along `axis`; c_K by the key clip objective
-    (see the module doc). axis "channel" takes no rotation: per-channel scales keep outlier channels apart, and
-    any rotation would mix them into every channel."""
+    (see the module doc)."""
     if objective not in KEY_CLIP_OBJECTIVES:
         raise ValueError(f"unknown key clip objective {objective!r}: one of {', '.join(KEY_CLIP_OBJECTIVES)}")
     c_q = stats.query_covariance(layer)
-    r = rotation(variant if axis == "token" else "none", c_q, group_size)
+    r = rotation(variant, c_q, group_size)
     mean = stats.key_mean(layer) if centering else None
     p = stats.probe(layer)
     keys = p["key"]
@@ -203,23 +203,34 @@ def derive_values(stats, layer: int, variant: str, centering: bool, group_size: 
     return {"value_rotation": r, "value_clip": clip, **({"value_mean": mean} if mean is not None else {})}
 
 
+def key_format_name(axis: str, variant: str) -> str:
+    """How a key format reads in a manifest and a table, e.g. "token U_Q·H·P_br", "channel U_Q", "channel none"."""
+    return f"{axis} {label(variant, 'U_Q')}"
+
+
 def derive_layer(stats, layer: int, opts: DeriveOptions) -> tuple[dict[str, torch.Tensor], dict]:
     """The bundle tensors of one layer (names without the `layers.{i}.` prefix, float64) and its key format
-    ({"layer", "key_axis", "errors"}: bundle.LayerQuant's fields).
+    ({"layer", "key_axis", "key_format", "errors"}: bundle.LayerQuant's fields).
 
-    Keys are derived along every axis of opts.key_axes (each with its own clip), and the axis whose keys leave the
-    smallest relative attention-output error on the probe (key_output_error) is kept; a tie keeps the first."""
+    Keys are derived in every format of opts.key_formats (each with its own rotation and searched clip) and the
+    format whose keys leave the smallest relative attention-output error on the probe (key_output_error) is kept;
+    a tie keeps the first. Per token, the published U_Q·H·P_br spreads every direction over a group's channels;
+    per channel (KIVI-style: one scale per channel and block of G tokens) a rotation must not mix a few
+    outlier channels into all the others, so the candidates there are none and the eigenbasis U_Q alone."""
     candidates, errors = {}, {}
-    for axis in opts.key_axes:
-        candidates[axis] = derive_keys(stats, layer, opts.key_rotation, opts.key_centering, opts.key_group_size,
-                                       opts.sink_tokens, key_clip_grid(opts), opts.key_clip_objective, axis)
-        if len(opts.key_axes) > 1:
-            errors[axis] = round(key_output_error(stats, layer, candidates[axis], opts.key_group_size,
+    for axis, variant in opts.key_formats:
+        name = key_format_name(axis, variant if axis == "channel" else opts.key_rotation)
+        candidates[name] = axis, derive_keys(stats, layer, variant if axis == "channel" else opts.key_rotation,
+                                             opts.key_centering, opts.key_group_size, opts.sink_tokens,
+                                             key_clip_grid(opts), opts.key_clip_objective, axis)
+        if len(opts.key_formats) > 1:
+            errors[name] = round(key_output_error(stats, layer, candidates[name][1], opts.key_group_size,
                                                   opts.sink_tokens, axis), 6)
-    axis = min(opts.key_axes, key=lambda a: errors.get(a, 0.0))
+    best = min(candidates, key=lambda n: errors.get(n, 0.0))
+    axis, keys = candidates[best]
     values = derive_values(stats, layer, opts.value_rotation, opts.value_centering, opts.value_group_size,
                            opts.sink_tokens, opts.clip_grid)
-    return {**candidates[axis], **values}, {"layer": layer, "key_axis": axis, "errors": errors}
+    return {**keys, **values}, {"layer": layer, "key_axis": axis, "key_format": best, "errors": errors}
 
 
 def uncentred_clip_errors(stats, layer: int, side: str, r: torch.Tensor, group_size: int, sink_tokens: int):

@@ -176,7 +176,7 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         quant=QuantInfo(**{k: quant[k] for k in QUANT_FIELDS}, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
                         clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor, opts.clip_grid),
                         bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED},
-                        layers=formats if len(opts.key_axes) > 1 else None),
+                        layers=formats if len(opts.key_formats) > 1 else None),
         rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
                               key_centering=opts.key_centering, value_centering=opts.value_centering,
                               layers=hybrid),
