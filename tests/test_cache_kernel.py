@@ -259,3 +259,51 @@ def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     assert "head_dim 128" in write_problem(lm, 256)
     lm = methods.layer_method("int2", 0, 2, 192, None)
     assert "head_dim 64, 128 or 256" in kernel_problem(lm, 2, 192)
+
+
+def test_channel_key_write_kernels_match_reference():
+    """Keys per channel: leave_blocks + append_kv (Triton) against kvstore.append, through appends of up to W
+    tokens with left pads and decode steps across several block boundaries."""
+    gen = torch.Generator().manual_seed(10)
+    bsz, heads, d, s, w, g, gv = 3, 2, 64, 4, 8, 16, 32
+    layer = kvstore.LayerRotation(orthogonal(heads, d, gen), orthogonal(heads, d, gen), torch.tensor([0.96, 0.9]),
+                                  torch.tensor([0.92, 1.0]), torch.randn(heads, d, generator=gen),
+                                  torch.randn(heads, d, generator=gen))
+    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()}
+    kr = write.prepare_rotation(on["key_rotation"], on["key_mean"])
+    vr = write.prepare_rotation(on["value_rotation"], on["value_mean"])
+    ref = kvstore.empty_cache(bsz, heads, d, 90, g, gv, s, w, key_axis="channel")
+    got = kvstore.empty_cache(bsz, heads, d, 90, g, gv, s, w, device=DEVICE, key_axis="channel")
+
+    def append(n, starts=None):
+        k = (torch.randn(bsz, heads, n, d, generator=gen) * torch.linspace(0.3, 3, d)).bfloat16()
+        v = torch.randn(bsz, heads, n, d, generator=gen).bfloat16()
+        on_starts = None if starts is None else starts.to(DEVICE)
+        kvstore.advance(ref, n, starts)
+        kvstore.advance(got, n, on_starts)
+        kvstore.append(ref, k, v, layer, starts)
+        write.leave_blocks(got, on["key_clip"], on["value_clip"], n, on_starts)
+        write.append_kv(got, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"], on_starts,
+                        evict=False)
+
+    append(7, torch.tensor([0, 2, 6], dtype=torch.int32))
+    for _ in range(40):
+        append(1)
+    append(8, torch.tensor([0, 3, 0], dtype=torch.int32))
+    for _ in range(3):
+        append(1)
+    assert got.lengths.tolist() == ref.lengths.tolist() == [58, 53, 52]
+    assert ref.int2_tokens().tolist() == [32, 32, 32]
+    for name in ("key_sink", "value_sink", "key_recent", "value_recent"):
+        a, b = getattr(got, name).float().cpu(), getattr(ref, name).float()
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-3).all(), name
+    for side in ("key", "value"):
+        codes = [quant.unpack_int2(getattr(c, f"{side}_codes")).cpu().int() for c in (got, ref)]
+        assert (codes[0] == codes[1]).float().mean() > 0.98
+        assert (codes[0] - codes[1]).abs().max() <= 1
+        for name in ("scale", "zero"):
+            a, b = getattr(got, f"{side}_{name}").cpu().int(), getattr(ref, f"{side}_{name}").int()
+            assert (a == b).float().mean() > 0.97 and (a - b).abs().max() <= 1, (side, name)
+    with pytest.raises(ValueError, match="leave_blocks"):
+        write.append_kv(got, *[torch.zeros(bsz, heads, 9, d, device=DEVICE)] * 2, kr, vr, on["key_clip"],
+                        on["value_clip"], evict=False)
