@@ -41,8 +41,9 @@ def tiny_llama():
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
 
 
-def random_bundle(sink, recent):
-    """The fields of a rotation bundle that OscarCache reads: random rotations, means and clips."""
+def random_bundle(sink, recent, channel_layers=()):
+    """The fields of a rotation bundle that OscarCache reads: random rotations, means and clips; keys per channel
+    in `channel_layers`, per token elsewhere."""
     gen = torch.Generator().manual_seed(1)
     tensors = {}
     for i in range(LAYERS):
@@ -55,7 +56,8 @@ def random_bundle(sink, recent):
         name="random", model=SimpleNamespace(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),
         quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=sink, recent_tokens=recent),
         rotation=SimpleNamespace(layers=None))
-    return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get(f"layers.{i}.{name}"))
+    return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get(f"layers.{i}.{name}"),
+                           key_axis=lambda i: "channel" if i in channel_layers else "token")
 
 
 @torch.no_grad()
