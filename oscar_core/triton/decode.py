@@ -29,6 +29,13 @@ the products add back exactly (per tile, so no offset builds up over a chunk).
 The groups of a head are stacked as extra rows (row = g·HGP + r): key rows carry the query restricted
 to group g, value rows carry a = p·step_g; the rows of each group are summed (keys) or the columns
 of group g picked (values) afterwards.
+
+Keys per channel (a store with key_axis "channel", blocks of G tokens; Triton programs only): every tile
+lies inside one block (BLOCK_N ≤ G), whose step_c and z_c hold for all its tokens, so
+  q̃·k̂_t = Σ_c (q̃_c·step_c)·code[t, c] + Σ_c q̃_c·step_c·z_c/4
+the products run on the query scaled once a tile and the zero codes add one offset a row
+(_channel_scores). The sink and ring programs read the ring of W + G slots from the first BF16 position
+S + n_int2 on, n_int2 = ⌊(L − S − W)/G⌋·G.
 """
 
 import contextlib
@@ -205,13 +212,15 @@ def _channel_scores(q0, q1, q2, q3, u0, u1, u2, u3, ksc_ptr, kz_ptr, meta, j, lo
     h1 = _operand(q1.to(tl.float32) * st1[None, :], F32)
     h2 = _operand(q2.to(tl.float32) * st2[None, :], F32)
     h3 = _operand(q3.to(tl.float32) * st3[None, :], F32)
-    g0, g1, g2, g3 = h0.to(tl.float32), h1.to(tl.float32), h2.to(tl.float32), h3.to(tl.float32)
-    z0 = tl.load(kz_ptr + meta + 4 * j).to(tl.float32) * 0.25
-    z1 = tl.load(kz_ptr + meta + 4 * j + 1).to(tl.float32) * 0.25
-    z2 = tl.load(kz_ptr + meta + 4 * j + 2).to(tl.float32) * 0.25
-    z3 = tl.load(kz_ptr + meta + 4 * j + 3).to(tl.float32) * 0.25
-    off = tl.sum(g0 * (z0[None, :] - 128.0) + g1 * (4.0 * z1[None, :] - 128.0)
-                 + g2 * (16.0 * z2[None, :] - 128.0) + g3 * (16.0 * z3[None, :] - 128.0), axis=1)
+    # m_i·z/4 − 128 a channel: the zero term and the unpack's 128, in one sum a row.
+    z0 = tl.load(kz_ptr + meta + 4 * j).to(tl.float32) * 0.25 - 128.0
+    z1 = tl.load(kz_ptr + meta + 4 * j + 1).to(tl.float32) - 128.0
+    z2 = tl.load(kz_ptr + meta + 4 * j + 2).to(tl.float32) * 4.0 - 128.0
+    z3 = tl.load(kz_ptr + meta + 4 * j + 3).to(tl.float32) * 4.0 - 128.0
+    off = tl.sum(h0.to(tl.float32) * z0[None, :], axis=1)
+    off += tl.sum(h1.to(tl.float32) * z1[None, :], axis=1)
+    off += tl.sum(h2.to(tl.float32) * z2[None, :], axis=1)
+    off += tl.sum(h3.to(tl.float32) * z3[None, :], axis=1)
     if KEY_T:
         s = tl.zeros([BLOCK_N, MK], tl.float32) + off[None, :]
         s = dot(u0, tl.trans(h0), s, F32)
