@@ -41,7 +41,7 @@ def tiny_llama():
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
 
 
-def random_bundle(sink, recent, channel_layers=()):
+def random_bundle(sink, recent, channel_layers=(), key_group=64):
     """The fields of a rotation bundle that OscarCache reads: random rotations, means and clips; keys per channel
     in `channel_layers`, per token elsewhere."""
     gen = torch.Generator().manual_seed(1)
@@ -54,7 +54,7 @@ def random_bundle(sink, recent, channel_layers=()):
             tensors[f"layers.{i}.{side}_clip"] = torch.full((KV_HEADS,), clip)
     manifest = SimpleNamespace(
         name="random", model=SimpleNamespace(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),
-        quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=sink, recent_tokens=recent),
+        quant=SimpleNamespace(key_group_size=key_group, value_group_size=64, sink_tokens=sink, recent_tokens=recent),
         rotation=SimpleNamespace(layers=None))
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get(f"layers.{i}.{name}"),
                            key_axis=lambda i: "channel" if i in channel_layers else "token")
@@ -337,3 +337,24 @@ def test_mixed_bundle_kernel_reads_match_torch_reads():
             a, r = getattr(layer.store, name)[b:b + 1], getattr(ref, name)
             rows = min(a.shape[2], r.shape[2])
             assert (a[:, :, :rows] == r[:, :, :rows]).float().mean() > 0.98, name
+
+
+def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
+    """Key blocks of 32 tokens: the decode kernel refuses them (one ValueError from check_shape, before any
+    launch), so the layer reads in torch with one warning; its Triton writes still match the torch ones."""
+    from oscar_core import methods
+    from oscar_core.cache import kernel_problem
+
+    model = tiny_llama()
+    bundle = random_bundle(4, 16, channel_layers=(0, 1), key_group=32)
+    lm = methods.layer_method("oscar", 0, KV_HEADS, HEAD_DIM, bundle)
+    assert "key blocks of 64, 128 or 256 tokens" in kernel_problem(lm, KV_HEADS, HEAD_DIM, HEADS)
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    want = decode_logits(model, make_cache("oscar", bundle, False), ids, steps=3)
+    cache = make_cache("oscar", bundle, True)
+    with oscar_attention(model, cache), pytest.warns(UserWarning, match="torch reads"):
+        got = decode_logits(model, cache, ids, steps=3)
+    assert cache.layers[0].write is not None and not cache.reads_by_kernel()
+    assert cache.layers[0].store.int2_tokens().tolist() == [32]
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err.max() < 3e-2, err
