@@ -21,7 +21,6 @@ This module is the ground truth for oscar_core/triton/write.py and decode.py; it
 """
 
 import math
-
 from dataclasses import dataclass
 
 import torch
@@ -212,8 +211,9 @@ def _store_blocks(cache: Int2KVCache, b: int, old: int, keys: torch.Tensor, valu
         y = rotate(x, rot, mean)
         ring = getattr(cache, f"{side}_recent")
         if hi > lo:
-            kept = ring[b, :, (torch.arange(lo, max(min(hi, old), lo), device=keys.device) - s) % r].transpose(0, 1)
-            leave = torch.cat([kept.float(), y[max(lo, old) - old:max(hi - old, 0)]])
+            split = min(max(old, lo), hi)       # [lo, split) were stored before: read back from the ring
+            kept = ring[b, :, (torch.arange(lo, split, device=keys.device) - s) % r].transpose(0, 1)
+            leave = torch.cat([kept.float(), y[split - old:hi - old]])
             rows = slice(lo - s, hi - s)
             if side == "key":
                 packed, scale, zero = write_key_blocks(leave, clip, g)
@@ -350,13 +350,15 @@ def store_nbytes(batch: int, capacity: int, kv_heads: int, head_dim: int, key_gr
                  value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
                  key_axis: str = "token") -> int:
     """Bytes of empty_cache(batch, kv_heads, head_dim, capacity, ...): BF16 windows, INT2 rows, lengths.
-    Keys per channel: the same bytes per INT2 row (d/G scale and zero codes a row, as d per G rows), a ring
-    of W + G slots, rows in whole blocks of G."""
-    block = key_group_size if key_axis == "channel" else 1
+    Keys per channel: scale and zero codes of d channels per block of G rows (as many bytes a row as d/G
+    groups a row when G divides d), a ring of W + G slots, rows in whole blocks of G."""
+    channel = key_axis == "channel"
+    block = key_group_size if channel else 1
     rows = int2_rows(capacity, sink_tokens, recent_tokens, block)
-    windows = 2 * (sink_tokens + recent_tokens + (block if key_axis == "channel" else 0)) * head_dim * 2
-    per_row = 2 * (head_dim // 4) + 2 * (head_dim // key_group_size) + 2 * (head_dim // value_group_size)
-    return batch * kv_heads * (windows + rows * per_row) + 4 * batch
+    windows = 2 * (sink_tokens + recent_tokens + (block if channel else 0)) * head_dim * 2
+    key_meta = 2 * (rows // block) * head_dim if channel else 2 * rows * (head_dim // key_group_size)
+    per_row = 2 * (head_dim // 4) + 2 * (head_dim // value_group_size)
+    return batch * kv_heads * (windows + rows * per_row + key_meta) + 4 * batch
 
 
 def rotate_query(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tensor:
