@@ -239,6 +239,7 @@ def build_channel(gen, lengths, heads, kv_heads, d, key_group, value_group, sink
     (128, 10, 2, 128, 64, [420, 90], 256, True, False),               # blocks of 128 tokens, 5 heads a KV head
     (64, 16, 2, 64, 64, [333, 200], 64, False, False),                # 8 heads a KV head
     (128, 8, 2, 128, 128, [330, 200], 64, True, False),               # a 64-token tile sees half a 128-block
+    (256, 4, 1, 64, 64, [260, 30], 64, True, False),
 ])
 def test_decode_kernel_channel_keys_match_reference(d, heads, kv_heads, key_group, value_group, lengths, block_n,
                                                     key_t, fused):

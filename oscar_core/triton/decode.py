@@ -140,7 +140,7 @@ def _query(q_ptr, rk_ptr, rows, cols, mask, h, D: tl.constexpr, ROTATE: tl.const
 def _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, h, length, q_row0,
                  scale_log2, slot, wid, HG: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  QP: tl.constexpr, BLOCK_W: tl.constexpr, ROTATE: tl.constexpr, F32: tl.constexpr,
-                 TB: tl.constexpr = 1, R: tl.constexpr = 1):
+                 TB: tl.constexpr, R: tl.constexpr):
     """Attention over window tokens [wid·BLOCK_W, (wid+1)·BLOCK_W) of the BF16 sink + recent windows.
     TB > 1 (keys per channel, blocks of TB tokens): the ring of R slots holds positions S + n_int2 .. L − 1,
     window token n_sink + i in slot (n_int2 + i) mod R."""
@@ -243,7 +243,7 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
                bh, h, start, end, q_row0, log2_scale, T, slot,
                HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HGP: tl.constexpr,
                BLOCK_N: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr, ROTATE: tl.constexpr,
-               F32: tl.constexpr, TB: tl.constexpr = 1):
+               F32: tl.constexpr, TB: tl.constexpr):
     """Attention over INT2 rows [start, end) of one sequence and KV head. KEY_T computes the score tile
     transposed (tokens as rows); both orders give the same function. TB > 1: keys per channel over blocks
     of TB tokens (scale / zero codes [T/TB, D]), each tile inside one block (BLOCK_N divides TB), scored by
@@ -426,7 +426,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
                   USE_ASM: tl.constexpr, ROTATE: tl.constexpr, MERGE: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  F32: tl.constexpr, TB: tl.constexpr = 1, R: tl.constexpr = 1):
+                  F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr):
     """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
     finish merges (else _reduce_kernel does, in a launch of its own). TB > 1: keys per channel over blocks
     of TB tokens, a ring of R slots (kvstore.Int2KVCache)."""
