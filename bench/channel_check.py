@@ -33,8 +33,10 @@ def orthogonal(heads, d, gen):
 
 def layer_of(gen, kv_heads, d):
     return kvstore.LayerRotation(orthogonal(kv_heads, d, gen), orthogonal(kv_heads, d, gen),
-                                 torch.full((kv_heads,), 0.96, device="cuda"), torch.full((kv_heads,), 0.92, device="cuda"),
-                                 torch.randn(kv_heads, d, generator=gen).cuda(), torch.randn(kv_heads, d, generator=gen).cuda())
+                                 torch.full((kv_heads,), 0.96, device="cuda"),
+                                 torch.full((kv_heads,), 0.92, device="cuda"),
+                                 torch.randn(kv_heads, d, generator=gen).cuda(),
+                                 torch.randn(kv_heads, d, generator=gen).cuda())
 
 
 def check_decode(gen) -> float:
@@ -48,7 +50,8 @@ def check_decode(gen) -> float:
         kvstore.prefill(cache, keys, values, torch.tensor(lengths, device="cuda"), layer)
         q = torch.randn(bsz, heads, d, generator=gen).bfloat16().cuda()
         for mean in (layer.value_mean, None):
-            ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, mean, d ** -0.5)
+            ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, mean,
+                                                     d ** -0.5)
             for key_t, fused in ((True, False), (False, False), (None, True)):
                 out = torch.full_like(q, float("nan"))
                 decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, mean, d ** -0.5, out=out,

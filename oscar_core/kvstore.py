@@ -182,7 +182,8 @@ def write_key_blocks(y: torch.Tensor, clip: torch.Tensor, group_size: int = 64):
     return quant.pack_int2(codes.permute(0, 3, 1, 2).reshape(t, h, d)), scale[..., 0], zero[..., 0]
 
 
-def read_key_blocks(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int = 64) -> torch.Tensor:
+def read_key_blocks(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    group_size: int = 64) -> torch.Tensor:
     """Dequantize per-channel key blocks, packed [..., T, d/4], scale/zero [..., T/G, d] -> float32 [..., T, d]:
     k̂[t, c] = step[t div G, c]·(q[t, c] + z[t div G, c]/4)."""
     step = quant.scale_from_code(scale).repeat_interleave(group_size, dim=-2)

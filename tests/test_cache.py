@@ -193,7 +193,8 @@ def test_mixed_bundle_decodes_as_the_simulation(tmp_path):
             bundle.tensors[f"layers.{i}.{side}_rotation"] = torch.eye(HEAD_DIM).expand(KV_HEADS, -1, -1).contiguous()
         bundle.tensors.pop(f"layers.{i}.value_mean")
     config = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                            num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=128, max_position_embeddings=256)
+                            num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=128,
+                            max_position_embeddings=256)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
