@@ -9,8 +9,12 @@ except once per growth of the capacity (by half, when no `capacity` was given). 
 lengths are one device int32 tensor shared by every layer; the host keeps its own count (`seen`,
 pads included) so a decode step reads nothing back from the device.
 On CUDA a write is one Triton launch per layer (triton.write.append_kv: K and V, the whole batch),
-elsewhere the torch reference (kvstore.append). bf16 and kivi (per-channel key groups) keep the
-SideStore below: sink, INT2 blocks and recent tokens as growing tensors, read in torch.
+elsewhere the torch reference (kvstore.append). A bundle layer whose keys are quantized per channel
+(Bundle.key_axis "channel") lives in the same store with key_axis "channel": its keys and values leave
+the ring a block of G tokens at a time (kvstore's docstring); its decode steps are written by
+triton.write.append_kv plus triton.write.leave_blocks, chunks longer than the window by the torch reference.
+bf16 and the kivi baseline keep the SideStore below: sink, INT2 blocks and recent tokens as growing
+tensors, read in torch.
 
 A hybrid model's layers without a KV cache (linear attention, Mamba: models.attention_layer_ids, the bundle's
 rotation.layers) hold transformers' LinearAttentionLayer (their convolution and recurrent states, exact); the
@@ -33,6 +37,8 @@ captured in a CUDA graph (oscar_core.decode_graph).
 
 import copy
 import dataclasses
+import math
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -149,6 +155,7 @@ class OscarLayer(DynamicLayer):
         self.pending = None         # a multi-token update waiting for the attention mask (oscar_attention)
         self.kernel_reads = False   # set by oscar_attention: single-token steps read by the decode kernel
         self.deferred = False       # the last update was a decode step whose read is left to the kernel
+        self.warned = False         # a decode step meant for the kernel was read in torch (warned once)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -159,8 +166,8 @@ class OscarLayer(DynamicLayer):
                 raise OscarError(f"bundle {self.bundle.manifest.name} is for {m.num_kv_heads} KV heads of dim "
                                  f"{m.head_dim}; this model has {kv_heads} of dim {head_dim}")
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
-        self.kernel_problem = kernel_problem(lm, kv_heads, head_dim, self.query_heads)
-        if store_problem(lm) is None:
+        self.kernel_problem = kernel_problem(lm, kv_heads, head_dim, self.query_heads, self.method)
+        if store_problem(lm, self.method) is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
             self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens, lm.token_block)
@@ -182,9 +189,13 @@ class OscarLayer(DynamicLayer):
         (rk, mk, ck), (rv, mv, cv) = tensors(lm.key), tensors(lm.value)
         self.rotation = kvstore.LayerRotation(rk, rv, ck, cv, mk, mv)
         self.group_sizes = (lm.key.group_size, lm.value.group_size)
+        self.key_axis, self.token_block = lm.key.axis, lm.token_block
         self.shape = (kv_heads, head_dim)
         use = self.kernel_writes if self.kernel_writes is not None else dev.type == "cuda"
-        write = _triton_write() if use and write_problem(lm, head_dim) is None else None
+        problem = write_problem(lm, head_dim)
+        if use and problem is not None and self.key_axis == "channel":
+            warnings.warn(f"OscarCache layer {self.layer_idx}: torch writes ({problem})", stacklevel=2)
+        write = _triton_write() if use and problem is None else None
         self.write = write        # the Triton write module, or None: kvstore's torch reference
         if write is not None:
             self.split = (write.prepare_rotation(rk, mk), write.prepare_rotation(rv, mv))
@@ -192,11 +203,11 @@ class OscarLayer(DynamicLayer):
     def _reserve(self, batch: int) -> None:
         """Allocate the store, or grow it to the shared capacity (the INT2 rows copied once)."""
         cap = self.sequences.capacity
-        rows = kvstore.int2_rows(cap, self.sink_tokens, self.recent_tokens)
+        rows = kvstore.int2_rows(cap, self.sink_tokens, self.recent_tokens, self.token_block)
         if self.store is not None and self.store.key_codes.shape[2] >= rows:
             return
         new = kvstore.empty_cache(batch, *self.shape, cap, *self.group_sizes, self.sink_tokens, self.recent_tokens,
-                                  device=self.device)
+                                  device=self.device, key_axis=self.key_axis)
         new.lengths = self.sequences.lengths
         if self.store is not None:
             for f in dataclasses.fields(kvstore.Int2KVCache):
@@ -211,7 +222,11 @@ class OscarLayer(DynamicLayer):
         if self.counts:
             seq.advance(key_states.shape[0], n, starts, key_states.device)
         self._reserve(key_states.shape[0])
-        if self.write is not None:
+        if self.write is not None and self.key_axis == "channel" and n <= self.recent_tokens:
+            self.write.leave_blocks(self.store, self.rotation.key_clip, self.rotation.value_clip, n, starts)
+            self.write.append_kv(self.store, key_states, value_states, *self.split, self.rotation.key_clip,
+                                 self.rotation.value_clip, starts, evict=False)
+        elif self.write is not None and self.key_axis == "token":
             self.write.append_kv(self.store, key_states, value_states, *self.split, self.rotation.key_clip,
                                  self.rotation.value_clip, starts, evict=self.seen > 0)
         else:
@@ -230,6 +245,9 @@ class OscarLayer(DynamicLayer):
         else:
             self.commit(key_states, value_states, None)
         self.deferred = n == 1 and self.kernel_reads and self.kernel_problem is None
+        if n == 1 and self.kernel_reads and self.kernel_problem is not None and not self.warned:
+            self.warned = True
+            warnings.warn(f"OscarCache layer {self.layer_idx}: torch reads ({self.kernel_problem})", stacklevel=2)
         if self.deferred:
             return key_states, value_states   # placeholders: oscar_attention reads the store by kernel
         if n == 1:
@@ -304,7 +322,7 @@ class OscarLayer(DynamicLayer):
         """INT2 tokens of the longest sequence (host count)."""
         if self.key_store is not None:
             return self.key_store.n_int2
-        return max(self.seen - self.sink_tokens - self.recent_tokens, 0)
+        return max(self.seen - self.sink_tokens - self.recent_tokens, 0) // self.token_block * self.token_block
 
     def nbytes(self) -> int:
         if self.store is not None:
@@ -426,21 +444,27 @@ def fill(cache: OscarCache, prefill: Cache) -> OscarCache:
 
 def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, budget_bytes: int | None = None,
                 key_group_size: int = 64, value_group_size: int = 64, sink_tokens: int = methods.SINK_TOKENS,
-                recent_tokens: int = methods.RECENT_TOKENS) -> dict:
-    """Bytes an INT2 OscarCache (token groups) allocates, and the largest batch a budget holds.
+                recent_tokens: int = methods.RECENT_TOKENS, key_axes: list[str] | None = None) -> dict:
+    """Bytes an INT2 OscarCache allocates, and the largest batch a budget holds.
+
+    key_axes: each layer's key axis ("token" or "channel", Bundle.key_axis; None: all "token"); a
+    channel layer's store holds a ring of W + G slots and rows in whole blocks of G (kvstore.store_nbytes).
 
     bytes_per_token: one INT2 token of every layer (codes, scale and zero codes, K and V);
     bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
     included (kvstore.store_nbytes, exactly what OscarCache allocates at that capacity);
     bf16_bytes_per_sequence: the same context in a BF16 cache; max_batch / bf16_max_batch: how many
     sequences of `context` tokens fit in budget_bytes (if given)."""
+    axes = key_axes or ["token"] * num_layers
+
     def store(batch, capacity):
-        return num_layers * kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size,
-                                                 value_group_size, sink_tokens, recent_tokens)
+        return sum(kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size, value_group_size,
+                                        sink_tokens, recent_tokens, axis) for axis in axes)
 
     per_seq = store(1, context)
     bf16 = num_layers * 2 * kv_heads * context * head_dim * 2
-    block = kvstore.ROW_BLOCK   # rows are allocated in whole blocks: one block's bytes over its rows
+    # Rows are allocated in whole blocks: one block's bytes over its rows.
+    block = kvstore.ROW_BLOCK if "channel" not in axes else math.lcm(kvstore.ROW_BLOCK, key_group_size)
     window = sink_tokens + recent_tokens
     out = dict(bytes_per_token=(store(1, window + 2 * block) - store(1, window + block)) // block,
                bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
@@ -450,9 +474,10 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     return out
 
 
-def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_heads: int | None = None) -> str | None:
+def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_heads: int | None = None,
+                   method: str | None = None) -> str | None:
     """Why the decode kernel cannot read a layer of this method (None: it can); query_heads None: not known."""
-    problem = store_problem(lm)
+    problem = store_problem(lm, method)
     if problem is not None:
         return problem
     try:
@@ -460,16 +485,18 @@ def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_
     except ImportError:
         return "triton is not installed"
     try:
-        check_shape(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size)
+        check_shape(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size,
+                    lm.key.axis)
     except ValueError as e:
         return str(e)
     return None
 
 
-def store_problem(lm: methods.LayerMethod) -> str | None:
-    """Why a layer of this method cannot live in a kvstore.Int2KVCache (None: it can)."""
-    if any(side is None or side.axis != "token" for side in (lm.key, lm.value)):
-        return "the kernel reads INT2 keys and values in per-token groups only"
+def store_problem(lm: methods.LayerMethod, method: str | None = None) -> str | None:
+    """Why a layer of this method cannot live in a kvstore.Int2KVCache (None: it can): values per token, keys
+    per token or per channel. The kivi baseline keeps the SideStore (as it was measured)."""
+    if any(side is None for side in (lm.key, lm.value)) or lm.value.axis != "token" or method == "kivi":
+        return "the kernel reads INT2 values in per-token groups, keys per-token or by a bundle's channel blocks"
     return None
 
 
@@ -479,6 +506,8 @@ def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
         return n >= 4 and n & (n - 1) == 0
     if not pow2(head_dim) or head_dim < 16 or not all(pow2(s.group_size) for s in (lm.key, lm.value)):
         return "the write kernel needs power-of-two head_dim and group sizes"
+    if lm.key.axis == "channel" and lm.key.group_size > 256:
+        return "the write kernel quantizes key blocks of up to 256 tokens"
     if head_dim > 128:
         # R split in two bf16 [d, d] tiles: 256 KiB of shared memory at d = 256, over the H100's 227 KiB
         return "the write kernel holds R in shared memory up to head_dim 128"
