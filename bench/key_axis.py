@@ -7,7 +7,7 @@ held-out text for BF16, KIVI-style, the bundle with every layer's keys per token
 bundle as exported. Writes markdown + JSON.
 
     .venv/bin/python bench/key_axis.py --calib runs/qwen-coder --bundle zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1 \
-        --model packaged:Qwen2.5-Coder-0.5B-Instruct --tokens 2048 --out bench/results/key_axis_qwen-coder.md
+        --tokens 2048 --out bench/results/key_axis_qwen-coder.md
 """
 
 import argparse
@@ -64,13 +64,16 @@ def main():
              "| arm | perplexity | gap to BF16 | bits/element @128K |", "|---|---|---|---|"]
     for name, p in ppl.items():
         lines.append(f"| {name} | {p:.3f} | {100 * (p / ppl['BF16'] - 1):+.1f}% | {bits[name]:.3f} |")
+    names = sorted({name for entry in layers for name in entry["errors"]})
     lines += ["", "Per layer: relative attention-output error of the keys alone on the calibration probe "
-              "(Σ‖(Ŝ−S)V‖²/Σ‖SV‖²), for each axis with its own searched clip; the smaller is kept.", "",
-              "| layer | keys per token | keys per channel | kept |", "|---|---|---|---|"]
+              "(Σ‖(Ŝ−S)V‖²/Σ‖SV‖²), for each key format with its own searched clip; the smallest is kept.", "",
+              "| layer | " + " | ".join(names) + " | kept |", "|---|" + "---|" * (len(names) + 1)]
     for entry in layers:
         e = entry["errors"]
-        lines.append(f"| {entry['layer']} | {e.get('token', float('nan')):.4g} | {e.get('channel', float('nan')):.4g} "
-                     f"| {entry['key_axis']} |")
+        lines.append(f"| {entry['layer']} | " + " | ".join(f"{e[n]:.4g}" if n in e else "" for n in names)
+                     + f" | {entry['key_format']} |")
+    kept = [entry["key_format"] for entry in layers]
+    lines += ["", "Kept: " + ", ".join(f"{n} in {kept.count(n)} of {len(kept)} layers" for n in sorted(set(kept)))]
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

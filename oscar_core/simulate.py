@@ -24,6 +24,7 @@ from oscar_core.statistics import route_attention
 
 ATTENTION_NAME = "oscar_simulate"
 CHUNK = 512
+FAST_PATH_SCORES = 1 << 28   # one SDPA call above this many scores may materialize them all (float32): chunk instead
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ def simulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     kv_heads, t = key.shape[1], key.shape[2]
     group = heads // kv_heads
     k_bf, v_bf = _bf16(key), _bf16(value)
-    if lm.key is None and lm.value is None and tq == t:
+    if lm.key is None and lm.value is None and tq == t and bsz * heads * t * t <= FAST_PATH_SCORES:
         return torch.nn.functional.scaled_dot_product_attention(
             query.float(), k_bf, v_bf, is_causal=True, scale=scaling, enable_gqa=group > 1)
     k_q, v_q = _int2(lm.key, k_bf, sink), _int2(lm.value, v_bf, sink)

@@ -181,13 +181,23 @@ def build_one(recipe: Recipe, zoo_root: Path, manifests_root: Path, work_dir: Pa
     return path
 
 
+def select(recipes: list[Recipe], names: list[str] | None) -> list[Recipe]:
+    """The recipes named (by bundle name), all when names is empty; an unknown name is an error."""
+    if not names:
+        return recipes
+    unknown = sorted(set(names) - {r.name for r in recipes})
+    if unknown:
+        raise OscarError(f"no recipe builds {', '.join(unknown)}: the recipes build {', '.join(r.name for r in recipes)}")
+    return [r for r in recipes if r.name in names]
+
+
 def build(zoo_root: str | Path, manifests_root: str | Path,
           on_start: Callable[[Recipe], None] | None = None,
-          on_progress: Callable[[int, int, float], None] | None = None) -> list[Outcome]:
-    """Rebuild every recipe this machine can build; the others are skipped with the reason."""
+          on_progress: Callable[[int, int, float], None] | None = None, names: list[str] | None = None) -> list[Outcome]:
+    """Rebuild every recipe (of `names`, if given) this machine can build; the others are skipped with the reason."""
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="oscar-zoo-") as work:
-        for recipe in load_recipes(zoo_root, required=True):
+        for recipe in select(load_recipes(zoo_root, required=True), names):
             missing = missing_requirements(recipe)
             if missing:
                 outcomes.append(Outcome(recipe, "skipped", skip_reason(missing)))
@@ -284,13 +294,15 @@ def compare(committed: Path, rebuilt: Path, calib_dir: Path,
 
 def check(zoo_root: str | Path, manifests_root: str | Path,
           on_start: Callable[[Recipe], None] | None = None,
-          on_progress: Callable[[int, int, float], None] | None = None, run_verify: bool = True) -> list[Outcome]:
-    """Rebuild every buildable recipe into a temporary zoo and hold it to the committed bundle (module doc)."""
+          on_progress: Callable[[int, int, float], None] | None = None, run_verify: bool = True,
+          names: list[str] | None = None) -> list[Outcome]:
+    """Rebuild every buildable recipe (of `names`, if given) into a temporary zoo and hold it to the committed bundle
+    (module doc)."""
     zoo_root, manifests_root = Path(zoo_root), Path(manifests_root)
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="oscar-zoo-check-") as tmp:
         tmp = Path(tmp)
-        for recipe in load_recipes(zoo_root, required=True):
+        for recipe in select(load_recipes(zoo_root, required=True), names):
             missing = missing_requirements(recipe)
             if missing:
                 outcomes.append(Outcome(recipe, "skipped", skip_reason(missing)))

@@ -52,7 +52,11 @@ oscar = run_cli
 
 def test_committed_recipes_cover_the_default_model_and_qwen3():
     recipes = {r.name: r for r in zoo.load_recipes(REPO_ROOT / "zoo")}
-    assert set(recipes) == {"HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-4B", "Qwen/Qwen3-8B", "Qwen/Qwen3-32B"}
+    assert set(recipes) == {"HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen3-4B",
+                            "Qwen/Qwen3-8B", "Qwen/Qwen3-32B"}
+    assert recipes["Qwen/Qwen2.5-Coder-0.5B-Instruct"].model == "packaged:Qwen2.5-Coder-0.5B-Instruct"
+    with pytest.raises(OscarError, match="no recipe builds a/b"):
+        zoo.select(list(recipes.values()), ["a/b"])
     default = recipes["HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert (default.model, default.samples, default.seq_len, default.seed, default.version) == ("default", 8, 512, 0, "v1")
     assert all(recipes[f"Qwen/Qwen3-{s}"].device == "cuda" for s in ("4B", "8B", "32B"))
@@ -324,17 +328,26 @@ def test_a_zoo_with_nothing_to_do_is_an_error(tmp_path, capfd, monkeypatch, comm
 def test_committed_default_bundle_checks_under_each_instruction_set(capability):
     """`oscar zoo check` on the repo's own zoo, with torch dispatching to each CPU instruction set this machine
     has: the committed default bundle is byte-identical or numerically equivalent to the rebuild. The verify
-    run (minutes on 2 cores) is part of the first setting's check only, to keep the suite short."""
+    run (minutes on 2 cores) is part of the first setting's check only, and so is the packaged Qwen2.5-Coder-0.5B
+    (after `make models`; skipped, saying so, without it), to keep the suite short."""
     import subprocess
+
+    from oscar_core import packaged
 
     root = Path(__file__).resolve().parents[1]
     env = {**capability_env(capability), "COLUMNS": "200"}
-    verify = [] if capability == instruction_sets()[0] else ["--no-verify"]
-    result = subprocess.run([sys.executable, "-c", "from oscar_cli.app import main; main()", "zoo", "check", *verify],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    first = capability == instruction_sets()[0]
+    args = [] if first else ["HuggingFaceTB/SmolLM2-135M-Instruct", "--no-verify"]
+    result = subprocess.run([sys.executable, "-c", "from oscar_cli.app import main; main()", "zoo", "check", *args],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=2400)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert ("same HuggingFaceTB/SmolLM2-135M-Instruct v1" in out
             or "equivalent HuggingFaceTB/SmolLM2-135M-Instruct v1" in out), out
+    if first and packaged.installed_path("Qwen2.5-Coder-0.5B-Instruct") is not None:
+        assert ("same Qwen/Qwen2.5-Coder-0.5B-Instruct v1" in out
+                or "equivalent Qwen/Qwen2.5-Coder-0.5B-Instruct v1" in out), out
+    elif first:
+        assert "skipped Qwen/Qwen2.5-Coder-0.5B-Instruct v1: not available here" in out and "make models" in out, out
     if "equivalent" in out:
         assert "key_rotation" in out and ("verify logit_error" in out) == (not verify), out

@@ -1,7 +1,7 @@
 """oscar zoo list | build | check: the published bundles, rebuilt from their recipes."""
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -16,6 +16,7 @@ app = typer.Typer(name="zoo", no_args_is_help=True,
 
 ZooDir = Annotated[Path, typer.Option("--zoo", help="Zoo directory (recipes/ and the bundles).")]
 ManifestsDir = Annotated[Path, typer.Option("--manifests", help="Directory of the manifest copies.")]
+Names = Annotated[Optional[list[str]], typer.Argument(help="Bundle names (ORG/MODEL) to act on; default: every recipe.")]
 
 
 @app.command("list", epilog="Example:\n\n  oscar zoo list")
@@ -53,10 +54,10 @@ def _run(action, zoo: Path, manifests: Path):
         return action(zoo, manifests, on_start=on_start, on_progress=on_progress)
 
 
-@app.command("build", epilog="Example:\n\n  oscar zoo build")
-def build(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
+@app.command("build", epilog="Examples:\n\n  oscar zoo build\n\n  oscar zoo build Qwen/Qwen2.5-Coder-0.5B-Instruct")
+def build(names: Names = None, zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
     """Rebuild every bundle whose model is available here; skip the others, saying why."""
-    outcomes = _run(zoo_core.build, zoo, manifests)
+    outcomes = _run(lambda *a, **k: zoo_core.build(*a, **k, names=names), zoo, manifests)
     for o in outcomes:
         line = f"{o.status} {o.recipe.name} {o.recipe.version}: {o.detail}"
         (console if o.status == "built" else err_console).print(line, highlight=False, soft_wrap=True)
@@ -66,12 +67,12 @@ def build(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")
 
 @app.command("check", epilog="Examples:\n\n  oscar zoo check\n\n  oscar zoo check --no-verify   # tensors and "
                               "manifest only, skip the verify run")
-def check(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests"),
+def check(names: Names = None, zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests"),
           verify: Annotated[bool, typer.Option(help="Also verify a rebuild that is not byte-identical and hold its "
                                                     "figures to the recorded verify.json.")] = True) -> None:
     """Rebuild every available bundle into a temporary directory and hold it to the committed one: byte-identical,
     or numerically equivalent (tolerances per tensor kind, printed); fail otherwise."""
-    outcomes = _run(lambda *a, **k: zoo_core.check(*a, **k, run_verify=verify), zoo, manifests)
+    outcomes = _run(lambda *a, **k: zoo_core.check(*a, **k, run_verify=verify, names=names), zoo, manifests)
     for o in outcomes:
         if o.deviations:
             _print_deviations(o)
