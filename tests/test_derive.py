@@ -126,3 +126,36 @@ def test_default_key_clip_floor_is_recorded():
     unfloored = derive_keys(stats, 0, "oscar", True, 64, 8)["key_clip"]
     assert (unfloored < 0.8).any()  # without the floor this probe's search clips harder
     assert (layer["key_clip"] >= 0.8).all()
+
+
+def stats_of_layer(keys: torch.Tensor, queries: torch.Tensor, seed: int = 0) -> AttentionStatistics:
+    """One layer's statistics (2 query heads on 1 KV head, head_dim 64) from given keys [2, 1, T, 64] and queries."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(2, 1, T, 64, generator=g)
+    out = torch.randn(2, T, 2, 64, generator=g)
+    stats = AttentionStatistics(1, 2, 1, 64, probe_tokens=T, probe_queries=64)
+    stats.observe(0, queries, keys, v, out, 0.125)
+    return stats
+
+
+def test_each_layer_keeps_the_key_format_that_attention_sees_least():
+    """Keys with two wide, offset channels read by large queries (Qwen2.5-Coder-0.5B's layer 0): per-token groups
+    spend their four levels on those channels and the others drown; per-channel groups keep them apart."""
+    from oscar_core.derive import derive_layer, key_format_name
+
+    g = torch.Generator().manual_seed(0)
+    opts = DeriveOptions(sink_tokens=8)
+    wide = torch.randn(2, 1, T, 64, generator=g)
+    wide[..., 7] = 19 * torch.randn(2, 1, T, generator=g) + 120
+    wide[..., 40] = 38 * torch.randn(2, 1, T, generator=g) - 140
+    queries = 3 * torch.randn(2, 2, T, 64, generator=g)
+    _, info = derive_layer(stats_of_layer(wide, queries), 0, opts)
+    assert set(info["errors"]) == {"token U_Q·H·P_br", "channel none", "channel U_Q"}
+    assert info["key_axis"] == "channel" and info["key_format"] == min(info["errors"], key=info["errors"].get)
+    assert info["errors"]["token U_Q·H·P_br"] > 1.5 * info["errors"][info["key_format"]]
+
+    scaled = torch.randn(2, 1, T, 64, generator=g)
+    one, info = derive_layer(stats_of_layer(scaled, torch.randn(2, 2, T, 64, generator=g)), 0,
+                             DeriveOptions(sink_tokens=8, key_formats=(("channel", "none"),)))
+    assert info["key_axis"] == "channel" and info["errors"] == {}          # one format: nothing to choose
+    assert torch.equal(one["key_rotation"], torch.eye(64, dtype=torch.float64)[None])
