@@ -31,19 +31,15 @@ def bundle_name(model: ModelInfo) -> str:
     return f"local/{stem}"
 
 
-QUANT_FIELDS = ("key_group_size", "value_group_size", "sink_tokens", "recent_tokens")
-
-
-def average_bits(context: int, quant: dict) -> float:
-    """Bits per K/V element at `context` tokens over every layer; quant["channel_key_layers"] of quant["layers"]
-    group keys per channel and so move tokens to INT2 a block of G at a time (methods.LayerMethod.token_block)."""
+def average_bits(context: int, quant: dict, channel_layers: int = 0, layers: int = 1) -> float:
+    """Bits per K/V element at `context` tokens over `layers` layers, `channel_layers` of which group keys per
+    channel and so move tokens to INT2 a block of G at a time (methods.LayerMethod.token_block)."""
     s, w, g = quant["sink_tokens"], quant["recent_tokens"], quant["key_group_size"]
 
     def layer_bits(block):
         return sum(bits_per_element(context, size, s, w, block) for size in (g, quant["value_group_size"])) / 2
 
-    channel, layers = quant.get("channel_key_layers", 0), quant.get("layers", 1)
-    return round((layer_bits(1) * (layers - channel) + layer_bits(g) * channel) / layers, 4)
+    return round((layer_bits(1) * (layers - channel_layers) + layer_bits(g) * channel_layers) / layers, 4)
 
 
 def default_workers() -> int:
@@ -169,13 +165,14 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         return round(float(torch.stack([tensors[f"layers.{i}.{kind}_clip"] for i in layers]).mean()), 4)
 
     quant = {"key_group_size": opts.key_group_size, "value_group_size": opts.value_group_size,
-             "sink_tokens": sink_tokens, "recent_tokens": recent_tokens,
-             "channel_key_layers": sum(f.key_axis == "channel" for f in formats), "layers": len(layers)}
+             "sink_tokens": sink_tokens, "recent_tokens": recent_tokens}
+    channel_layers = sum(f.key_axis == "channel" for f in formats)
     manifest = Manifest(
         name=name or bundle_name(model), version=version, model=model,
-        quant=QuantInfo(**{k: quant[k] for k in QUANT_FIELDS}, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
+        quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
                         clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor, opts.clip_grid),
-                        bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED},
+                        bits_per_element={str(c): average_bits(c, quant, channel_layers, len(layers))
+                                          for c in CONTEXTS_REPORTED},
                         layers=formats if len(opts.key_formats) > 1 else None),
         rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
                               key_centering=opts.key_centering, value_centering=opts.value_centering,
