@@ -14,7 +14,13 @@ SideStore below: sink, INT2 blocks and recent tokens as growing tensors, read in
 
 A hybrid model's layers without a KV cache (linear attention, Mamba: models.attention_layer_ids, the bundle's
 rotation.layers) hold transformers' LinearAttentionLayer (their convolution and recurrent states, exact); the
-first KV layer advances the shared sequence lengths.
+first OscarLayer advances the shared sequence lengths.
+
+Sliding layers (layers.LayerSpec.window = N: a query sees its own token and the N − 1 before it). One whose
+window is too short for INT2 to pay (layers.holds_int2), or any sliding layer of the bf16 method, is a RingLayer:
+the last N − 1 tokens in BF16, as transformers' DynamicSlidingWindowLayer keeps them (and sizes the mask from).
+A longer window holds INT2 in an OscarLayer like a global layer: it keeps every token (the model's sliding mask
+keeps each query in its window) and is read by torch, not by the decode kernel.
 
 update() follows the serving convention: a single decoded token is written first and then attends to
 what the store holds; the tokens of a multi-token update (prefill, or a prefill chunk) attend to the
@@ -36,12 +42,11 @@ import dataclasses
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from oscar_core import kvstore, methods
-from oscar_core.bundle import bundle_layers
 from oscar_core.errors import OscarError
-from oscar_core.models import attention_layer_ids
+from oscar_core.layers import LayerSpec, holds_int2, layer_specs, manifest_specs
 from oscar_core.statistics import route_attention
 
 ATTENTION_NAME = "oscar_cache"
@@ -135,9 +140,10 @@ class OscarLayer(DynamicLayer):
 
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
-                 query_heads: int | None = None, counts: bool | None = None):
+                 query_heads: int | None = None, counts: bool | None = None, window: int | None = None):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
+        self.window = window        # a sliding layer's window (the model's mask applies it; no kernel reads)
         self.counts = layer_idx == 0 if counts is None else counts  # advances `sequences` (the first KV layer)
         self.query_heads = query_heads
         self.sink_tokens, self.recent_tokens = sink, recent
@@ -159,7 +165,8 @@ class OscarLayer(DynamicLayer):
                 raise OscarError(f"bundle {self.bundle.manifest.name} is for {m.num_kv_heads} KV heads of dim "
                                  f"{m.head_dim}; this model has {kv_heads} of dim {head_dim}")
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
-        self.kernel_problem = kernel_problem(lm, kv_heads, head_dim, self.query_heads)
+        self.kernel_problem = (kernel_problem(lm, kv_heads, head_dim, self.query_heads) if self.window is None
+                               else "the decode kernel reads global attention layers only")
         if store_problem(lm) is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
@@ -348,18 +355,27 @@ class OscarCache(Cache):
         self.method, self.kernel_reads, self.bundle = method, kernel_reads, bundle
         self.sequences = Sequences(capacity)
         if bundle is not None:
-            query_heads, kv = bundle.manifest.model.num_heads, bundle_layers(bundle.manifest)
+            query_heads, specs = bundle.manifest.model.num_heads, manifest_specs(bundle.manifest)
         else:
             query_heads = config.get_text_config().num_attention_heads if config is not None else None
-            kv = (config is not None and attention_layer_ids(config)) or range(num_layers)
-        super().__init__(layers=[OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes,
-                                            query_heads, counts=i == kv[0]) if i in kv else state_layer()
-                                 for i in range(num_layers)])
+            specs = layer_specs(config) if config is not None else [LayerSpec()] * num_layers
+        ring = [s.window is not None and (method == "bf16" or not holds_int2(s, sink, recent)) for s in specs]
+        first = next((i for i, s in enumerate(specs) if s.kv_cache and not ring[i]), None)
+        super().__init__(layers=[
+            state_layer() if not s.kv_cache else RingLayer(s.window) if ring[i] else
+            OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, counts=i == first,
+                       window=s.window)
+            for i, s in enumerate(specs[:num_layers])])
 
     @property
     def kv_layers(self) -> list["OscarLayer"]:
-        """The layers holding keys and values (all of them but a hybrid model's linear-attention or Mamba layers)."""
+        """The layers holding keys and values by the method (all of them but a hybrid model's linear-attention or
+        Mamba layers and the BF16 rings of short sliding windows)."""
         return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+
+    @property
+    def ring_layers(self) -> list["RingLayer"]:
+        return [layer for layer in self.layers if isinstance(layer, RingLayer)]
 
     def reserve(self, tokens: int) -> None:
         """Grow every store to hold `tokens` per sequence now (before a CUDA-graph capture)."""
@@ -382,12 +398,13 @@ class OscarCache(Cache):
                    and layer.store is not None for layer in self.kv_layers)
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (codes, scales, zero codes, BF16 windows, spare capacity)."""
-        return sum(layer.nbytes() for layer in self.kv_layers)
+        """Bytes of every tensor the cache holds (codes, scales, zero codes, BF16 windows and rings, spare capacity)."""
+        return sum(layer.nbytes() for layer in self.kv_layers + self.ring_layers)
 
     def bf16_nbytes(self) -> int:
-        """Bytes of a BF16 cache holding the same tokens: 2 sides · B · H_kv · L · d · 2 bytes per layer."""
-        total = 0
+        """Bytes of a BF16 cache holding the same tokens: 2 sides · B · H_kv · L · d · 2 bytes per layer (a ring: the
+        N − 1 tokens it keeps)."""
+        total = sum(layer.nbytes() for layer in self.ring_layers)
         for layer in self.kv_layers:
             if layer.store is not None:
                 b, h, _, d = layer.store.key_sink.shape
@@ -399,6 +416,26 @@ class OscarCache(Cache):
         return total
 
 
+class RingLayer(DynamicSlidingWindowLayer):
+    """A sliding layer of window N holding no INT2: its last N − 1 tokens in BF16 (with a decoded token's own, the N
+    its query sees), kept and sized for the mask as transformers' DynamicSlidingWindowLayer does. Like the other
+    layers, a multi-token update attends to its own tokens as computed, a decoded token to its BF16 copy."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n, dtype = key_states.shape[-2], key_states.dtype
+        k, v = super().update(key_states.to(torch.bfloat16), value_states.to(torch.bfloat16))
+        if n > 1:  # keep the ring in storage of its own size, not a view of the whole prefill
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+            return (torch.cat([k[:, :, :-n].to(dtype), key_states], dim=-2),
+                    torch.cat([v[:, :, :-n].to(dtype), value_states], dim=-2))
+        return k.to(dtype), v.to(dtype)
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values))
+
+
 def state_layer():
     """The cache layer of a layer without keys and values (a hybrid model's linear attention or Mamba): transformers'
     own, holding its convolution and recurrent states exactly."""
@@ -408,16 +445,19 @@ def state_layer():
 
 
 def exact_cache(like: OscarCache) -> Cache:
-    """A transformers cache with the layers of `like` that keeps everything exact: a DynamicLayer (every token, no
-    sliding window) for each KV layer, state_layer() for the others (what `fill` reads)."""
-    return Cache(layers=[DynamicLayer() if isinstance(layer, OscarLayer) else state_layer() for layer in like.layers])
+    """A transformers cache with the layers of `like` that keeps everything exact: a DynamicLayer (every token; a
+    sliding layer's mask keeps each query in its window) for each KV layer, state_layer() for the others (what
+    `fill` reads)."""
+    return Cache(layers=[DynamicLayer() if isinstance(layer, (OscarLayer, RingLayer)) else state_layer()
+                         for layer in like.layers])
 
 
 def fill(cache: OscarCache, prefill: Cache) -> OscarCache:
     """Write an exact prefill (exact_cache) into `cache`: each KV layer's keys and values through the cache's
-    method, and a copy of each state layer (so that several caches can decode on from one prefill)."""
+    method (a ring keeps the last of them), and a copy of each state layer (so that several caches can decode on
+    from one prefill)."""
     for i, done in enumerate(prefill.layers):
-        if isinstance(cache.layers[i], OscarLayer):
+        if isinstance(cache.layers[i], (OscarLayer, RingLayer)):
             cache.update(done.keys, done.values, i)
         else:
             cache.layers[i] = copy.deepcopy(done)
@@ -426,25 +466,34 @@ def fill(cache: OscarCache, prefill: Cache) -> OscarCache:
 
 def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, budget_bytes: int | None = None,
                 key_group_size: int = 64, value_group_size: int = 64, sink_tokens: int = methods.SINK_TOKENS,
-                recent_tokens: int = methods.RECENT_TOKENS) -> dict:
+                recent_tokens: int = methods.RECENT_TOKENS, windows: list[int | None] | None = None) -> dict:
     """Bytes an INT2 OscarCache (token groups) allocates, and the largest batch a budget holds.
 
     bytes_per_token: one INT2 token of every layer (codes, scale and zero codes, K and V);
     bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
     included (kvstore.store_nbytes, exactly what OscarCache allocates at that capacity);
     bf16_bytes_per_sequence: the same context in a BF16 cache; max_batch / bf16_max_batch: how many
-    sequences of `context` tokens fit in budget_bytes (if given)."""
-    def store(batch, capacity):
-        return num_layers * kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size,
-                                                 value_group_size, sink_tokens, recent_tokens)
+    sequences of `context` tokens fit in budget_bytes (if given); bits_per_element: bits per K/V element held.
+    windows: each layer's sliding window (None: global attention), e.g. [s.window for s in layer_specs(config)];
+    a layer whose window holds no INT2 (layers.holds_int2) counts as what its RingLayer allocates, min(context, N)
+    BF16 tokens (N − 1 kept, and the decoded one), in both caches."""
+    windows = windows or [None] * num_layers
+    ring = [w is not None and not holds_int2(LayerSpec(window=w), sink_tokens, recent_tokens) for w in windows]
+    int2_layers = num_layers - sum(ring)
+    ring_tokens = sum(min(context, w) for w, r in zip(windows, ring) if r)
+    ring_bytes = 2 * kv_heads * ring_tokens * head_dim * 2
 
-    per_seq = store(1, context)
-    bf16 = num_layers * 2 * kv_heads * context * head_dim * 2
+    def store(batch, capacity):
+        return int2_layers * kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size,
+                                                  value_group_size, sink_tokens, recent_tokens)
+
+    per_seq = store(1, context) + ring_bytes
+    bf16 = int2_layers * 2 * kv_heads * context * head_dim * 2 + ring_bytes
     block = kvstore.ROW_BLOCK   # rows are allocated in whole blocks: one block's bytes over its rows
     window = sink_tokens + recent_tokens
     out = dict(bytes_per_token=(store(1, window + 2 * block) - store(1, window + block)) // block,
                bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
-               bits_per_element=round(8 * per_seq / (num_layers * 2 * kv_heads * context * head_dim), 4))
+               bits_per_element=round(8 * per_seq / (bf16 // 2), 4))
     if budget_bytes is not None:
         out |= dict(max_batch=budget_bytes // per_seq, bf16_max_batch=budget_bytes // bf16)
     return out
@@ -519,6 +568,8 @@ def oscar_attention(model, cache: OscarCache):
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer = cache.layers[module.layer_idx]
         scaling = scaling or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        if not isinstance(layer, OscarLayer):   # a BF16 ring: exact sdpa under the model's sliding mask
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if layer.pending is not None:
             k, v = layer.pending
             layer.pending = None
@@ -529,7 +580,7 @@ def oscar_attention(model, cache: OscarCache):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     def mask(*args, **kwargs):
-        if kwargs.get("q_length") == 1 and cache.reads_by_kernel():
+        if kwargs.get("q_length") == 1 and cache.reads_by_kernel() and not cache.ring_layers:
             return None
         return sdpa_mask(*args, **kwargs)
 

@@ -94,6 +94,36 @@ def windows(specs: list[LayerSpec]) -> dict[int, int] | None:
     return out or None
 
 
+def specs_from(num_layers: int, kv_layers: list[int] | None, windows: dict | None) -> list[LayerSpec]:
+    """LayerSpecs from what a calibration record or a manifest keeps: the KV layers (None: every layer) and the
+    sliding windows ({layer: W}, keys int or str; None: none)."""
+    windows = {int(i): int(w) for i, w in (windows or {}).items()}
+    kv = set(range(num_layers) if kv_layers is None else kv_layers) | set(windows)
+    return [LayerSpec(window=windows.get(i)) if i in kv else LayerSpec(kv_cache=False) for i in range(num_layers)]
+
+
+def manifest_specs(manifest) -> list[LayerSpec]:
+    """The LayerSpecs a bundle's manifest records: its INT2 layers (rotation.layers) and its sliding layers
+    (rotation.windows, which also lists the sliding layers kept whole in BF16)."""
+    r = manifest.rotation
+    n = manifest.model.num_layers
+    return specs_from(n, list(range(n)) if r.layers is None else r.layers, r.windows)
+
+
+def ids_text(ids) -> str:
+    return ", ".join(map(str, ids))
+
+
+def int2_reason(specs: list[LayerSpec], sink: int, recent: int) -> str | None:
+    """Why some KV layers hold no INT2 tokens (the manifest's rotation.layers_reason); None when all do."""
+    ring = [i for i, s in enumerate(specs) if s.kv_cache and not holds_int2(s, sink, recent)]
+    if not ring:
+        return None
+    sizes = sorted({specs[i].window for i in ring})
+    return (f"layers {ids_text(ring)} attend to a sliding window of {ids_text(sizes)} tokens, kept whole as a BF16 "
+            f"ring: INT2 is used only in windows longer than 2·(sink + recent) = {2 * (sink + recent)} tokens")
+
+
 def check_config(config, architecture: str) -> None:
     """Refuse, in one line, an attention variant the toolkit does not model (it would be evaluated wrongly):
     logit soft-capping, chunked attention (Llama 4), bidirectional or non-causal attention, learned attention
