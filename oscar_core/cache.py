@@ -19,8 +19,9 @@ first OscarLayer advances the shared sequence lengths.
 Sliding layers (layers.LayerSpec.window = N: a query sees its own token and the N − 1 before it). One whose
 window is too short for INT2 to pay (layers.holds_int2), or any sliding layer of the bf16 method, is a RingLayer:
 the last N − 1 tokens in BF16, as transformers' DynamicSlidingWindowLayer keeps them (and sizes the mask from).
-A longer window holds INT2 in an OscarLayer like a global layer: it keeps every token (the model's sliding mask
-keeps each query in its window) and is read by torch, not by the decode kernel.
+A longer window holds INT2 in an OscarLayer whose SideStores (sink, INT2, recent, as methods.py stores them) are
+trimmed to the last N − 1 tokens after every update, sized for the mask as DynamicSlidingWindowLayer; it is read
+by torch, not by the decode kernel.
 
 update() follows the serving convention: a single decoded token is written first and then attends to
 what the store holds; the tokens of a multi-token update (prefill, or a prefill chunk) attend to the
@@ -61,13 +62,15 @@ def _triton_write():
 
 
 class SideStore:
-    """Sink, INT2 and recent storage of one side of one layer, as growing tensors (bf16 and kivi)."""
+    """Sink, INT2 and recent storage of one side of one layer, as growing tensors (bf16, kivi, and a sliding layer
+    of any method, which trim() keeps to its window)."""
 
     def __init__(self, side: methods.Side | None, sink: int, recent: int):
         self.side, self.sink_tokens, self.recent_tokens = side, sink, recent
         self.sink = self.recent = None
         self.int2: dict[str, torch.Tensor] | None = None
         self.n_int2 = 0
+        self.dropped = self.sink_dropped = 0   # tokens trimmed off the front (out of a sliding window), of the sink
 
     def append(self, x: torch.Tensor) -> None:
         """Append x [B, H_kv, n, d], then move whole blocks leaving the recent window to INT2."""
@@ -75,7 +78,7 @@ class SideStore:
         if self.sink is None:
             self.sink = x[:, :, :0].contiguous()
             self.recent = x[:, :, :0].contiguous()
-        room = self.sink_tokens - self.sink.shape[2]
+        room = self.sink_tokens - self.sink.shape[2] - self.sink_dropped
         if room > 0:
             self.sink = torch.cat([self.sink, x[:, :, :room]], dim=2)
             x = x[:, :, room:]
@@ -91,16 +94,38 @@ class SideStore:
             self.recent = self.recent[:, :, move:].clone()
             self.n_int2 += move
 
-    def read(self, dtype: torch.dtype) -> torch.Tensor:
-        """All L tokens in position order, original space, [B, H_kv, L, d] in dtype."""
+    def read(self, dtype: torch.dtype, last: int | None = None) -> torch.Tensor:
+        """All L tokens held in position order (or the last `last` of them), original space, [B, H_kv, L, d]."""
         parts = [self.sink.to(dtype)]
         if self.int2 is not None:
             parts.append(methods.decode(self.side, self.int2).to(dtype))
         parts.append(self.recent.to(dtype))
-        return torch.cat(parts, dim=2)
+        out = torch.cat(parts, dim=2)
+        return out if last is None else out[:, :, max(out.shape[2] - last, 0):]
+
+    def trim(self, keep: int) -> None:
+        """Drop the tokens before the last `keep` (a sliding window's past): sink tokens first, then INT2 tokens
+        in whole blocks (KIVI keys keep a block until all its tokens are out); storage of the new size."""
+        excess = self.held() - keep
+        if excess <= 0:
+            return
+        s = min(excess, self.sink.shape[2])
+        if s:
+            self.sink = self.sink[:, :, s:].clone()
+            self.sink_dropped, self.dropped, excess = self.sink_dropped + s, self.dropped + s, excess - s
+        if self.int2 is not None and excess > 0:
+            b = self.side.token_block
+            k = min(excess, self.n_int2) // b * b
+            if k:
+                self.int2 = {name: x[:, :, k // b:].clone() for name, x in self.int2.items()}
+                self.n_int2, self.dropped = self.n_int2 - k, self.dropped + k
+
+    def held(self) -> int:
+        return 0 if self.sink is None else self.sink.shape[2] + self.n_int2 + self.recent.shape[2]
 
     def length(self) -> int:
-        return 0 if self.sink is None else self.sink.shape[2] + self.n_int2 + self.recent.shape[2]
+        """Tokens written so far (those trimmed off included)."""
+        return self.held() + self.dropped
 
     def tensors(self) -> list[torch.Tensor]:
         out = [t for t in (self.sink, self.recent) if t is not None]
@@ -143,7 +168,8 @@ class OscarLayer(DynamicLayer):
                  query_heads: int | None = None, counts: bool | None = None, window: int | None = None):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
-        self.window = window        # a sliding layer's window (the model's mask applies it; no kernel reads)
+        self.window = window        # a sliding layer's window: a SideStore trimmed to it, read by torch
+        self.is_sliding = window is not None
         self.counts = layer_idx == 0 if counts is None else counts  # advances `sequences` (the first KV layer)
         self.query_heads = query_heads
         self.sink_tokens, self.recent_tokens = sink, recent
@@ -167,7 +193,7 @@ class OscarLayer(DynamicLayer):
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
         self.kernel_problem = (kernel_problem(lm, kv_heads, head_dim, self.query_heads) if self.window is None
                                else "the decode kernel reads global attention layers only")
-        if store_problem(lm) is None:
+        if store_problem(lm) is None and self.window is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
             self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens)
@@ -246,17 +272,31 @@ class OscarLayer(DynamicLayer):
         return torch.cat([past[0], key_states], dim=-2), torch.cat([past[1], value_states], dim=-2)
 
     def _update_sides(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        n = key_states.shape[-2]
+        """A sliding layer of window W returns what get_mask_sizes announces (its last W − 1 tokens, and the new ones)
+        and then keeps only the last W − 1."""
+        n, w, stores = key_states.shape[-2], self.window, (self.key_store, self.value_store)
         if n > 1 and self.key_store.length():
-            past_k, past_v = self.key_store.read(key_states.dtype), self.value_store.read(value_states.dtype)
+            past_k, past_v = (st.read(key_states.dtype, None if w is None else w - 1) for st in stores)
         self.key_store.append(key_states)
         self.value_store.append(value_states)
         self.deferred = False
         if n == 1:
-            return self.key_store.read(key_states.dtype), self.value_store.read(value_states.dtype)
-        if self.key_store.length() == n:
-            return key_states, value_states
-        return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+            out = tuple(st.read(key_states.dtype, w) for st in stores)
+        elif self.key_store.length() == n:
+            out = key_states, value_states
+        else:
+            out = torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+        if w is not None:
+            for st in stores:
+                st.trim(w - 1)
+        return out
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv length, kv offset) of the mask: a sliding layer's as transformers' DynamicSlidingWindowLayer."""
+        if self.window is None:
+            return super().get_mask_sizes(query_length)
+        seen = self.get_seq_length()
+        return min(seen, self.window - 1) + query_length, max(seen - self.window + 1, 0)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """All keys and values in original space, [B, H_kv, L, d] each (the torch read; syncs with the device).
@@ -412,7 +452,8 @@ class OscarCache(Cache):
                 b, h, _, d = layer.key_store.sink.shape
             else:
                 continue
-            total += 2 * b * h * layer.get_seq_length() * d * 2
+            tokens = layer.key_store.held() if layer.window is not None else layer.get_seq_length()
+            total += 2 * b * h * tokens * d * 2
         return total
 
 
@@ -476,22 +517,24 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     sequences of `context` tokens fit in budget_bytes (if given); bits_per_element: bits per K/V element held.
     windows: each layer's sliding window (None: global attention), e.g. [s.window for s in layer_specs(config)];
     a layer whose window holds no INT2 (layers.holds_int2) counts as what its RingLayer allocates, min(context, N)
-    BF16 tokens (N − 1 kept, and the decoded one), in both caches."""
+    BF16 tokens (N − 1 kept, and the decoded one), in both caches; a longer window as a store of min(context, N)
+    tokens."""
     windows = windows or [None] * num_layers
     ring = [w is not None and not holds_int2(LayerSpec(window=w), sink_tokens, recent_tokens) for w in windows]
-    int2_layers = num_layers - sum(ring)
     ring_tokens = sum(min(context, w) for w, r in zip(windows, ring) if r)
     ring_bytes = 2 * kv_heads * ring_tokens * head_dim * 2
+    held = [min(context, w or context) for w, r in zip(windows, ring) if not r]   # tokens of each INT2 layer
 
-    def store(batch, capacity):
-        return int2_layers * kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size,
-                                                  value_group_size, sink_tokens, recent_tokens)
+    def store(batch, capacity, layers=1):
+        return layers * kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size,
+                                             value_group_size, sink_tokens, recent_tokens)
 
-    per_seq = store(1, context) + ring_bytes
-    bf16 = int2_layers * 2 * kv_heads * context * head_dim * 2 + ring_bytes
+    int2_layers = len(held)
+    per_seq = sum(store(1, tokens) for tokens in held) + ring_bytes
+    bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens in held) + ring_bytes
     block = kvstore.ROW_BLOCK   # rows are allocated in whole blocks: one block's bytes over its rows
     window = sink_tokens + recent_tokens
-    out = dict(bytes_per_token=(store(1, window + 2 * block) - store(1, window + block)) // block,
+    out = dict(bytes_per_token=(store(1, window + 2 * block, int2_layers) - store(1, window + block, int2_layers)) // block,
                bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
                bits_per_element=round(8 * per_seq / (bf16 // 2), 4))
     if budget_bytes is not None:

@@ -167,8 +167,8 @@ def test_int2_cache_keeps_rings_and_decodes_the_global_layer():
 
 
 def test_long_window_layer_holds_int2_and_decodes_as_simulated():
-    """A window longer than 2·(sink + recent) holds INT2 (an OscarLayer, every token, the model's mask windowing
-    it): each decoded token's logits equal simulate's teacher-forced logits at that position."""
+    """A window longer than 2·(sink + recent) holds INT2 (an OscarLayer trimmed to its last W − 1 tokens): each
+    decoded token's logits equal simulate's teacher-forced logits at that position."""
     model = tiny_sliding_model("mistral", 12)
     cache = OscarCache(None, "int2", config=model.config, sink_tokens=1, recent_tokens=3)
     assert all(isinstance(layer, OscarLayer) and layer.window == 12 for layer in cache.layers)
@@ -183,6 +183,32 @@ def test_long_window_layer_holds_int2_and_decodes_as_simulated():
     with torch.inference_mode():
         exact = model(out.sequences[:, :-1]).logits[0]
     assert not torch.allclose(decoded, exact, atol=1e-3)   # INT2 was read
+    for layer in cache.layers:                            # the last 11 tokens: 3 recent in BF16, 8 INT2
+        assert layer.get_seq_length() == 30 and layer.key_store.held() == 11 and layer.key_store.n_int2 == 8
+    assert cache.bf16_nbytes() == 3 * 2 * 2 * 11 * 16 * 2
+
+
+@pytest.mark.parametrize("method", ["kivi", "int2"])
+def test_long_window_prefill_then_decode(method):
+    """A prefill longer than the window, then decode steps, through a trimmed INT2 window (KIVI keys: whole blocks
+    of 8 tokens leave the window together): each decoded token's attention reads what simulate gives its position.
+    One layer, so that its keys and values do not depend on the prefill attending exactly (as the cache's does)."""
+    model = tiny_sliding_model("mistral", 24)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    cache = OscarCache(None, method, config=model.config, sink_tokens=2, recent_tokens=4)
+    x = ids(60)
+    with torch.inference_mode():
+        prefill = model(x[:, :40], past_key_values=cache, use_cache=True).logits[0]
+        steps = [model(x[:, p:p + 1], past_key_values=cache, use_cache=True).logits[0, -1] for p in range(40, 60)]
+        with simulate_int2(model, method, sink_tokens=2, recent_tokens=4):
+            simulated = model(x).logits[0]
+        exact = model(x).logits[0]
+    assert torch.allclose(prefill, exact[:40], atol=1e-5)
+    assert torch.allclose(torch.stack(steps), simulated[40:], atol=1e-4)
+    assert not torch.allclose(simulated[40:], exact[40:], atol=1e-3)
+    (layer,) = cache.layers
+    assert layer.get_seq_length() == 60 and 23 <= layer.key_store.held() < 23 + 8
 
 
 def test_memory_plan_counts_the_rings():
