@@ -95,6 +95,7 @@ def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED) -> l
     rows = []
     for layer in bundle_layers(m):
         q, k, v, scaling = held[layer]
+        window = (m.rotation.windows or {}).get(str(layer))   # a sliding layer's values are read in its window
         errors = {}
         for method in compared:
             r, mean, clip = (x.to(k.device) if isinstance(x, torch.Tensor) else x
@@ -103,7 +104,7 @@ def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED) -> l
             r, mean, clip = (x.to(k.device) if isinstance(x, torch.Tensor) else x
                              for x in _side_tensors(method, "value", layer, kv, d, bundle))
             errors[f"{method}_value"] = value_error(q, k, v, scaling, r, mean, clip, m.quant.value_group_size, sink,
-                                                    write if method == "oscar" else None)
+                                                    write if method == "oscar" else None, window)
         for head in range(kv):
             rows.append({"layer": layer, "kv_head": head, **{k: float(e[head]) for k, e in errors.items()}})
     return rows

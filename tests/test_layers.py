@@ -228,3 +228,15 @@ def test_global_models_are_unchanged():
     assert windows(layer_specs(model.config)) is None
     cache = OscarCache(None, "int2", config=model.config)
     assert all(isinstance(layer, OscarLayer) and layer.window is None for layer in cache.layers)
+
+
+def test_verify_metrics_read_the_window():
+    """metrics.causal_attention (verify's value error) masks a sliding layer's keys as the model does."""
+    from oscar_core.metrics import causal_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 30, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    want = windowed_attention(q, k, v, 0.25, 6, chunk=7)
+    assert torch.allclose(causal_attention(q, k, v, 0.25, torch.arange(30), 6), want, atol=1e-10)
+    assert torch.equal(causal_attention(q, k, v, 0.25, torch.arange(30), None),
+                       causal_attention(q, k, v, 0.25, torch.arange(30), 10_000))

@@ -122,3 +122,36 @@ def test_simulated_bf16_equals_the_default_models_forward(default_model):
             got = model(ids).logits
     assert float((got - want).abs().max() / want.abs().max()) < 2e-2
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) > 0.95
+
+
+def test_long_window_model_end_to_end(tmp_path, capfd, monkeypatch):
+    """Mistral sliding over 650 tokens in every layer: longer than 2·(64 + 256), so every layer holds INT2 (the
+    manifest lists no layers, only the windows); verify and eval at 700 tokens read each query's window."""
+    vocab = write_tokenizer_and_corpus(tmp_path)
+    model = tiny_sliding_model("mistral", 650)
+    model.resize_token_embeddings(vocab)
+    model.config.max_position_embeddings = 1024
+    model.save_pretrained(tmp_path)
+    data = str(tmp_path / "corpus.txt")
+    cli("calibrate", str(tmp_path), "--out", str(tmp_path / "calib"), "--data", data, "--samples", "1",
+        "--seq-len", "32", "--device", "cpu", "--dtype", "float32")
+    cli("export", str(tmp_path / "calib"), "--out", str(tmp_path / "zoo"), "--workers", "1")
+    bundle = tmp_path / "zoo" / "local" / tmp_path.name / "v1"
+    rotation = json.loads((bundle / MANIFEST_FILE).read_text())["rotation"]
+    assert "layers" not in rotation and "layers_reason" not in rotation
+    assert rotation["windows"] == {"0": 650, "1": 650, "2": 650}
+    code, out = run_cli(capfd, monkeypatch, "verify", str(bundle), "--model", str(tmp_path), "--device", "cpu",
+                        "--data", data, "--seq-len", "700")
+    assert code == 0, out
+    code, out = run_cli(capfd, monkeypatch, "eval", str(bundle), "--model", str(tmp_path), "--device", "cpu",
+                        "--data", data, "--context", "700", "--samples", "1", "--methods", "bf16,oscar",
+                        "--depths", "0.5", "--json", str(tmp_path / "eval.json"))
+    assert code == 0, out
+    report = json.loads((tmp_path / "eval.json").read_text())
+    from oscar_core.evaluate import heldout_tokens, negative_log_likelihood
+    from oscar_core.models import load_model
+
+    loaded = load_model(str(tmp_path), "cpu", "float32")
+    nll, n = negative_log_likelihood(loaded.model, heldout_tokens(data, loaded.tokenizer, 700)[None])
+    assert abs(report["perplexity"]["bf16"]["700"] / math.exp(nll / n) - 1) < 1e-3
+    assert report["memory"]["oscar"]["tokens"] > 650   # seen; the stores hold the last 649
