@@ -155,3 +155,22 @@ def test_long_window_model_end_to_end(tmp_path, capfd, monkeypatch):
     nll, n = negative_log_likelihood(loaded.model, heldout_tokens(data, loaded.tokenizer, 700)[None])
     assert abs(report["perplexity"]["bf16"]["700"] / math.exp(nll / n) - 1) < 1e-3
     assert report["memory"]["oscar"]["tokens"] > 650   # seen; the stores hold the last 649
+
+
+def test_upstream_round_trip_keeps_the_windows(gemma_dir, gemma_bundle, capfd, monkeypatch, tmp_path):
+    calib, bundle = gemma_bundle
+    code, out = run_cli(capfd, monkeypatch, "upstream", "export", str(bundle), "--calibration", str(calib),
+                        "--out", str(tmp_path / "up"))
+    assert code == 0, out
+    (directory,) = (tmp_path / "up").glob("*/seq*_prompt*_group*")
+    code, out = run_cli(capfd, monkeypatch, "upstream", "import", str(directory), "--out", str(tmp_path / "imported"),
+                        "--model", str(gemma_dir))
+    assert code == 0, out
+    (imported,) = (tmp_path / "imported").glob("*/*/upstream-*")
+    ours = json.loads((bundle / MANIFEST_FILE).read_text())["rotation"]
+    theirs = json.loads((imported / MANIFEST_FILE).read_text())["rotation"]
+    assert {k: theirs[k] for k in ("layers", "windows", "layers_reason")} == \
+        {k: ours[k] for k in ("layers", "windows", "layers_reason")}
+    code, out = run_cli(capfd, monkeypatch, "verify", str(bundle), "--compare", str(imported), "--model",
+                        str(gemma_dir), "--device", "cpu", "--data", str(gemma_dir / "corpus.txt"), "--seq-len", "64")
+    assert code == 0, out
