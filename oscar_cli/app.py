@@ -27,13 +27,14 @@ def root() -> None:
     """
 
 
-from oscar_cli.commands import calibrate, export, push, verify, zoo  # noqa: E402
+from oscar_cli.commands import calibrate, export, models, push, verify, zoo  # noqa: E402
 
 calibrate.register(app)
 export.register(app)
 verify.register(app)
 push.register(app)
 zoo.register(app)
+models.register(app)
 
 from oscar_cli.commands import eval as eval_cmd  # noqa: E402
 

@@ -54,6 +54,16 @@ class ModelInfo(Strict):
     rope_position: Literal["post_rope"] = "post_rope"
 
 
+class LayerQuant(Strict):
+    """How one layer's keys are quantized, and the figures that decided it (oscar_core/derive.choose_key_axis)."""
+    layer: int
+    key_axis: Literal["token", "channel"] = Field(
+        description="token: groups of G channels of one token; channel: groups of G tokens of one channel")
+    key_format: str = Field(description="the axis and the rotation of the kept keys, e.g. 'channel U_Q'")
+    errors: dict[str, float] = Field(default_factory=dict, description="candidate format -> the relative attention-"
+                                     "output error its keys (alone) leave on the calibration probe")
+
+
 class QuantInfo(Strict):
     bits: Literal[2] = 2
     key_group_size: int = 64
@@ -66,6 +76,8 @@ class QuantInfo(Strict):
     sink_tokens: int = 64
     recent_tokens: int = 256
     bits_per_element: dict[str, float] = Field(description="context length -> average bits per K/V element")
+    layers: list[LayerQuant] | None = Field(None, description="per layer with rotations, the key axis chosen and "
+                                            "why; None: every layer's keys per token (bundles before it)")
 
 
 class RotationInfo(Strict):
@@ -144,6 +156,13 @@ class Bundle(BaseModel):
     def layer(self, i: int, name: str) -> torch.Tensor | None:
         return self.tensors.get(f"layers.{i}.{name}")
 
+    def key_axis(self, i: int) -> str:
+        """"token" or "channel": how layer i's keys are grouped for INT2 (manifest quant.layers)."""
+        for entry in self.manifest.quant.layers or ():
+            if entry.layer == i:
+                return entry.key_axis
+        return "token"
+
 
 def bundle_layers(m: Manifest) -> list[int]:
     """The global ids of the layers that carry rotations (hold INT2 tokens): every layer, or a hybrid model's
@@ -187,13 +206,15 @@ def canonical_header(data: bytes) -> bytes:
 
 def manifest_json(manifest: Manifest) -> str:
     """Canonical JSON; the optional fields added after schema 1 shipped (source, rotation.layers, .windows,
-    .layers_reason) are left out when unset, so manifests written before them keep their bytes."""
+    .layers_reason, quant.layers) are left out when unset, so manifests written before them keep their bytes."""
     dump = manifest.model_dump(mode="json")
     if dump["source"] is None:
         del dump["source"]
     for name in ("layers", "windows", "layers_reason"):
         if dump["rotation"][name] is None:
             del dump["rotation"][name]
+    if dump["quant"]["layers"] is None:
+        del dump["quant"]["layers"]
     return canonical_json(dump)
 
 

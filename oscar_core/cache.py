@@ -65,8 +65,8 @@ class SideStore:
     """Sink, INT2 and recent storage of one side of one layer, as growing tensors (bf16, kivi, and a sliding layer
     of any method, which trim() keeps to its window)."""
 
-    def __init__(self, side: methods.Side | None, sink: int, recent: int):
-        self.side, self.sink_tokens, self.recent_tokens = side, sink, recent
+    def __init__(self, side: methods.Side | None, sink: int, recent: int, block: int = 1):
+        self.side, self.sink_tokens, self.recent_tokens, self.block = side, sink, recent, block
         self.sink = self.recent = None
         self.int2: dict[str, torch.Tensor] | None = None
         self.n_int2 = 0
@@ -85,7 +85,7 @@ class SideStore:
         self.recent = torch.cat([self.recent, x], dim=2)
         if self.side is None:
             return
-        b = self.side.token_block
+        b = self.block
         move = max(self.recent.shape[2] - self.recent_tokens, 0) // b * b
         if move:
             stored = methods.encode(self.side, self.recent[:, :, :move])
@@ -196,8 +196,8 @@ class OscarLayer(DynamicLayer):
         if store_problem(lm) is None and self.window is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
-            self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens)
-            self.value_store = SideStore(lm.value, self.sink_tokens, self.recent_tokens)
+            self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens, lm.token_block)
+            self.value_store = SideStore(lm.value, self.sink_tokens, self.recent_tokens, lm.token_block)
         self.is_initialized = True
 
     def _init_store(self, lm: methods.LayerMethod, kv_heads: int, head_dim: int) -> None:

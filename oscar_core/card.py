@@ -49,9 +49,24 @@ def front_matter(manifest: Manifest, hub: str) -> str:
     return "\n".join(lines + ["---"]) + "\n"
 
 
-def _table(rows: list[tuple[str, str]], header: tuple[str, str] = ("", "")) -> list[str]:
-    out = [f"| {header[0]} | {header[1]} |", "|---|---|"]
-    return out + [f"| {key} | {value} |" for key, value in rows]
+def _key_formats(q) -> list[str]:
+    """A paragraph and table on the layers whose keys are not per token (manifest quant.layers), if any."""
+    channel = [e for e in q.layers or () if e.key_axis == "channel"]
+    if not channel:
+        return []
+    lines = [f"Keys of {len(channel)} of {len(q.layers)} layers are quantized per channel instead, over blocks of "
+             f"{q.key_group_size} tokens (KIVI-style, in the rotation named below): the export measured, on the "
+             "calibration probe, the relative attention-output error of each candidate key format and kept the "
+             "smallest. Keys and values of those layers leave the BF16 window a block at a time.", ""]
+    names = sorted({n for e in q.layers for n in e.errors})
+    rows = [(str(e.layer), e.key_format, *(f"{e.errors[n]:.4f}" if n in e.errors else "" for n in names))
+            for e in q.layers]
+    return lines + _table(rows, ("layer", "kept", *names)) + [""]
+
+
+def _table(rows: list[tuple[str, ...]], header: tuple[str, ...] = ("", "")) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def _number(x: float) -> str:
@@ -103,7 +118,7 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
               f"R_K = `{r.key}`, values as v·R_V with R_V = `{r.value}`"
               + (f"; {' and '.join(centred)} are centred on their calibration mean first." if centred else ".")
               + f" Clip ratios ({q.clip_scope}): keys {_number(q.key_clip)}, values {_number(q.value_clip)} "
-              f"on average, chosen for {q.clip_objective}.", ""]
+              f"on average, chosen for {q.clip_objective}.", ""] + _key_formats(q)
     bits = sorted(q.bits_per_element.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)
     lines += _table([(f"{int(k):,}" if k.isdigit() else k, f"{v:.3f}") for k, v in bits],
                     ("context (tokens)", "bits per K/V element, all metadata counted"))

@@ -26,11 +26,12 @@ import torch
 
 from oscar_core.metrics import causal_attention
 from oscar_core.quant import fake_quantize
-from oscar_core.rotations import rotation
+from oscar_core.rotations import label, rotation
 
 CLIP_GRID = tuple(round(1.0 - 0.02 * i, 2) for i in range(26))  # 1.00, 0.98, ..., 0.50
 KEY_CLIP_FLOOR = 0.8
 KEY_CLIP_OBJECTIVES = ("logit", "output", "kl", "weighted-logit")
+KEY_AXES = ("token", "channel")
 KEY_CLIP_OBJECTIVE_LABELS = {"logit": "attention-logit error", "output": "attention-output error (exact values)",
                              "kl": "attention KL divergence", "weighted-logit": "attention-weighted logit error"}
 
@@ -64,29 +65,40 @@ class DeriveOptions:
     # long-context retrieval query reads; on the H100 (bench/results/key_clip.md) the floor took OSCAR's 8K
     # needle from 0/40 to 9/40 (KIVI-style 3/30, Hadamard 1/30 on shared prompts) for +1.8% perplexity at 8K.
     key_clip_floor: float = KEY_CLIP_FLOOR
+    # The key formats derive_layer chooses from per layer: (axis, rotation) pairs, the axis one of KEY_AXES, the
+    # rotation a rotations.VARIANTS name for "channel" (for "token" key_rotation is used). One pair: no choice.
+    key_formats: tuple[tuple[str, str], ...] = (("token", "oscar"), ("channel", "none"), ("channel", "eigen"))
 
 
 def quantize_rotated(x: torch.Tensor, r: torch.Tensor, mean: torch.Tensor | None, clip, group_size: int,
-                     sink_tokens: int = 0) -> torch.Tensor:
+                     sink_tokens: int = 0, axis: str = "token") -> torch.Tensor:
     """What the cache gives back for x [..., kv_heads, T, d], in original space (mean restored).
 
-    x is centred, rotated by r [kv_heads, d, d], INT2-quantized with per-head clip, rotated back;
-    the first sink_tokens stay exact (BF16 in the cache).
+    x is centred, rotated by r [kv_heads, d, d], INT2-quantized with per-head clip, rotated back; the first
+    sink_tokens stay exact (BF16 in the cache). axis "token": groups of G channels of one token; "channel":
+    groups of G tokens of one channel, in blocks from the sink on (a last incomplete block stays exact).
     """
     x = x.double()
     centred = x if mean is None else x - mean.double()[..., None, :]
-    rotated = centred @ r
-    clip = clip if not isinstance(clip, torch.Tensor) else clip[:, None]
-    restored = fake_quantize(rotated.float(), group_size, clip).double() @ r.mT
+    rotated = (centred @ r)[..., sink_tokens:, :]
+    if axis == "token":
+        clip = clip if not isinstance(clip, torch.Tensor) else clip[:, None]
+        quantized = fake_quantize(rotated.float(), group_size, clip).double()
+    else:
+        full = rotated.shape[-2] // group_size * group_size
+        blocks = rotated[..., :full, :].unflatten(-2, (-1, group_size)).transpose(-1, -2)   # [..., n, d, G]
+        clip = clip if not isinstance(clip, torch.Tensor) else clip[:, None, None]
+        head = fake_quantize(blocks.float(), group_size, clip).double().transpose(-1, -2).flatten(-3, -2)
+        quantized = torch.cat([head, rotated[..., full:, :]], dim=-2)
+    restored = quantized @ r.mT
     if mean is not None:
         restored = restored + mean.double()[..., None, :]
-    restored[..., :sink_tokens, :] = x[..., :sink_tokens, :]
-    return restored
+    return torch.cat([x[..., :sink_tokens, :], restored], dim=-2)
 
 
-def key_errors(keys, r, mean, query_cov, clip, group_size, sink_tokens) -> torch.Tensor:
+def key_errors(keys, r, mean, query_cov, clip, group_size, sink_tokens, axis: str = "token") -> torch.Tensor:
     """Per-head expected logit error Σ_t e_t C_Q e_t^T over probe keys [P, kv_heads, T, d]."""
-    e = quantize_rotated(keys, r, mean, clip, group_size, sink_tokens) - keys.double()
+    e = quantize_rotated(keys, r, mean, clip, group_size, sink_tokens, axis) - keys.double()
     return torch.einsum("phti,hij,phtj->h", e, query_cov.double(), e)
 
 
@@ -104,14 +116,14 @@ def _causal_logits(q, k, scaling, positions) -> torch.Tensor:
 
 
 def key_attention_errors(objective, queries, keys, values, positions, r, mean, clip, group_size, sink_tokens,
-                         scaling) -> torch.Tensor:
+                         scaling, axis: str = "token") -> torch.Tensor:
     """Per-head attention-aware error of quantizing the keys alone (values exact), summed over probe queries.
 
     objective: "output" Σ‖(Ŝ − S)V‖², "kl" Σ KL(S ‖ Ŝ), "weighted-logit" Σ_qt S_qt (s·q·e_t)²;
     S, Ŝ causal softmax attention over exact and quantized keys.
     """
     q = _grouped(queries, keys.shape[1])
-    k_hat = quantize_rotated(keys, r, mean, clip, group_size, sink_tokens)
+    k_hat = quantize_rotated(keys, r, mean, clip, group_size, sink_tokens, axis)
     exact = _causal_logits(q, keys, scaling, positions)
     approx = _causal_logits(q, k_hat, scaling, positions)
     if objective == "output":
@@ -145,8 +157,9 @@ def search_clip(errors_at, grid) -> torch.Tensor:
 
 
 def derive_keys(stats, layer: int, variant: str, centering: bool, group_size: int, sink_tokens: int,
-                grid=CLIP_GRID, objective: str = "logit") -> dict[str, torch.Tensor]:
-    """R_K, c_K and (if centering) μ_K of one layer; c_K by the key clip objective (see the module doc)."""
+                grid=CLIP_GRID, objective: str = "logit", axis: str = "token") -> dict[str, torch.Tensor]:
+    """R_K, c_K and (if centering) μ_K of one layer for keys grouped along `axis`; c_K by the key clip objective
+    (see the module doc)."""
     if objective not in KEY_CLIP_OBJECTIVES:
         raise ValueError(f"unknown key clip objective {objective!r}: one of {', '.join(KEY_CLIP_OBJECTIVES)}")
     c_q = stats.query_covariance(layer)
@@ -155,12 +168,27 @@ def derive_keys(stats, layer: int, variant: str, centering: bool, group_size: in
     p = stats.probe(layer)
     keys = p["key"]
     if objective == "logit":
-        clip = search_clip(lambda c: key_errors(keys, r, mean, c_q, c, group_size, sink_tokens), grid)
+        clip = search_clip(lambda c: key_errors(keys, r, mean, c_q, c, group_size, sink_tokens, axis), grid)
     else:
         scaling = float(stats.acc["scaling"][layer])
         clip = search_clip(lambda c: key_attention_errors(objective, p["query"], keys, p["value"], p["positions"], r,
-                                                          mean, c, group_size, sink_tokens, scaling), grid)
+                                                          mean, c, group_size, sink_tokens, scaling, axis), grid)
     return {"key_rotation": r, "key_clip": clip, **({"key_mean": mean} if mean is not None else {})}
+
+
+def key_output_error(stats, layer: int, keys: dict[str, torch.Tensor], group_size: int, sink_tokens: int,
+                     axis: str) -> float:
+    """Σ‖(Ŝ − S)V‖² / Σ‖SV‖² over the probe's queries and every KV head: the attention-output error that a
+    layer's quantized keys (values exact) cause, relative to the attention output itself. It sees softmax: a
+    small logit error among keys whose logits are close, or a large one on keys that attention reads, counts;
+    a large relative logit error on keys nobody reads does not."""
+    p = stats.probe(layer)
+    scaling = float(stats.acc["scaling"][layer])
+    error = key_attention_errors("output", p["query"], p["key"], p["value"], p["positions"], keys["key_rotation"],
+                                 keys.get("key_mean"), keys["key_clip"], group_size, sink_tokens, scaling, axis)
+    q = _grouped(p["query"], p["key"].shape[1])
+    exact = causal_attention(q, p["key"][:, :, None], p["value"][:, :, None], scaling, p["positions"])
+    return float(error.sum() / exact.pow(2).sum().clamp_min(torch.finfo(torch.float64).tiny))
 
 
 def derive_values(stats, layer: int, variant: str, centering: bool, group_size: int, sink_tokens: int,
@@ -175,12 +203,34 @@ def derive_values(stats, layer: int, variant: str, centering: bool, group_size: 
     return {"value_rotation": r, "value_clip": clip, **({"value_mean": mean} if mean is not None else {})}
 
 
-def derive_layer(stats, layer: int, opts: DeriveOptions) -> dict[str, torch.Tensor]:
-    """The bundle tensors of one layer (names without the `layers.{i}.` prefix), float64."""
-    return {**derive_keys(stats, layer, opts.key_rotation, opts.key_centering, opts.key_group_size,
-                          opts.sink_tokens, key_clip_grid(opts), opts.key_clip_objective),
-            **derive_values(stats, layer, opts.value_rotation, opts.value_centering, opts.value_group_size,
-                            opts.sink_tokens, opts.clip_grid)}
+def key_format_name(axis: str, variant: str) -> str:
+    """How a key format reads in a manifest and a table, e.g. "token U_Q·H·P_br", "channel U_Q", "channel none"."""
+    return f"{axis} {label(variant, 'U_Q')}"
+
+
+def derive_layer(stats, layer: int, opts: DeriveOptions) -> tuple[dict[str, torch.Tensor], dict]:
+    """The bundle tensors of one layer (names without the `layers.{i}.` prefix, float64) and its key format
+    ({"layer", "key_axis", "key_format", "errors"}: bundle.LayerQuant's fields).
+
+    Keys are derived in every format of opts.key_formats (each with its own rotation and searched clip) and the
+    format whose keys leave the smallest relative attention-output error on the probe (key_output_error) is kept;
+    a tie keeps the first. Per token, the published U_Q·H·P_br spreads every direction over a group's channels;
+    per channel (KIVI-style: one scale per channel and block of G tokens) a rotation must not mix a few
+    outlier channels into all the others, so the candidates there are none and the eigenbasis U_Q alone."""
+    candidates, errors = {}, {}
+    for axis, variant in opts.key_formats:
+        name = key_format_name(axis, variant if axis == "channel" else opts.key_rotation)
+        candidates[name] = axis, derive_keys(stats, layer, variant if axis == "channel" else opts.key_rotation,
+                                             opts.key_centering, opts.key_group_size, opts.sink_tokens,
+                                             key_clip_grid(opts), opts.key_clip_objective, axis)
+        if len(opts.key_formats) > 1:
+            errors[name] = round(key_output_error(stats, layer, candidates[name][1], opts.key_group_size,
+                                                  opts.sink_tokens, axis), 6)
+    best = min(candidates, key=lambda n: errors.get(n, 0.0))
+    axis, keys = candidates[best]
+    values = derive_values(stats, layer, opts.value_rotation, opts.value_centering, opts.value_group_size,
+                           opts.sink_tokens, opts.clip_grid)
+    return {**keys, **values}, {"layer": layer, "key_axis": axis, "key_format": best, "errors": errors}
 
 
 def uncentred_clip_errors(stats, layer: int, side: str, r: torch.Tensor, group_size: int, sink_tokens: int):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from oscar_core.bundle import (CONTEXTS_REPORTED, CalibrationInfo, Manifest, ModelInfo, QuantInfo, RotationInfo,
-                               TensorFileInfo, manifest_json, write_bundle)
+from oscar_core.bundle import (CONTEXTS_REPORTED, CalibrationInfo, LayerQuant, Manifest, ModelInfo, QuantInfo,
+                               RotationInfo, TensorFileInfo, manifest_json, write_bundle)
 from oscar_core.calibration import read_layer_statistics, read_record, read_statistics
 from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
 from oscar_core.errors import OscarError
@@ -32,10 +32,19 @@ def bundle_name(model: ModelInfo) -> str:
     return f"local/{stem}"
 
 
+QUANT_FIELDS = ("key_group_size", "value_group_size", "sink_tokens", "recent_tokens")
+
+
 def average_bits(context: int, quant: dict) -> float:
-    k = bits_per_element(context, quant["key_group_size"], quant["sink_tokens"], quant["recent_tokens"])
-    v = bits_per_element(context, quant["value_group_size"], quant["sink_tokens"], quant["recent_tokens"])
-    return round((k + v) / 2, 4)
+    """Bits per K/V element at `context` tokens over every layer; quant["channel_key_layers"] of quant["layers"]
+    group keys per channel and so move tokens to INT2 a block of G at a time (methods.LayerMethod.token_block)."""
+    s, w, g = quant["sink_tokens"], quant["recent_tokens"], quant["key_group_size"]
+
+    def layer_bits(block):
+        return sum(bits_per_element(context, size, s, w, block) for size in (g, quant["value_group_size"])) / 2
+
+    channel, layers = quant.get("channel_key_layers", 0), quant.get("layers", 1)
+    return round((layer_bits(1) * (layers - channel) + layer_bits(g) * channel) / layers, 4)
 
 
 def default_workers() -> int:
@@ -46,13 +55,14 @@ def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOptions) -> tuple[int, dict]:
-    return layer, derive_layer(read_layer_statistics(calib_dir, layer, num_heads), 0, opts)
+def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOptions) -> tuple[int, tuple]:
+    tensors, info = derive_layer(read_layer_statistics(calib_dir, layer, num_heads), 0, opts)
+    return layer, (tensors, {**info, "layer": layer})
 
 
 def derive_layers(stats, calib_dir, num_heads: int, opts: DeriveOptions, workers: int,
                   on_layer: Callable[[int, int], None] | None = None, layers: list[int] | None = None):
-    """(layer, its bundle tensors) for every layer of `layers` (None: every layer), in layer order.
+    """(layer, (its bundle tensors, its key format)) for every layer of `layers` (None: every layer), in layer order.
 
     Every derivation runs on one thread (LAPACK's eigh differs in the last bits with the thread count), so
     the bytes do not depend on `workers`: with workers > 1, that many spawned processes each derive whole
@@ -138,12 +148,14 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         raise OscarError(f"no layer of {model.id} holds INT2 tokens: {int2_reason(specs, sink_tokens, recent_tokens)}")
     opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens})
     tensors: dict[str, torch.Tensor] = {}
+    formats: list[LayerQuant] = []
     if workers < 1:
         raise OscarError("--workers must be at least 1")
-    for layer, derived in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, len(layers)),
-                                        on_layer, layers):
+    for layer, (derived, info) in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, len(layers)),
+                                                on_layer, layers):
         for key, value in derived.items():
             tensors[f"layers.{layer}.{key}"] = value.float()
+        formats.append(LayerQuant(**info))
     if with_eigenvalues:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # LAPACK's eigensolver differs in the last bits with the thread count: pin it
@@ -163,12 +175,14 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         return round(float(torch.stack([tensors[f"layers.{i}.{kind}_clip"] for i in layers]).mean()), 4)
 
     quant = {"key_group_size": opts.key_group_size, "value_group_size": opts.value_group_size,
-             "sink_tokens": sink_tokens, "recent_tokens": recent_tokens}
+             "sink_tokens": sink_tokens, "recent_tokens": recent_tokens,
+             "channel_key_layers": sum(f.key_axis == "channel" for f in formats), "layers": len(layers)}
     manifest = Manifest(
         name=name or bundle_name(model), version=version, model=model,
-        quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
+        quant=QuantInfo(**{k: quant[k] for k in QUANT_FIELDS}, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
                         clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor, opts.clip_grid),
-                        bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED}),
+                        bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED},
+                        layers=formats if len(opts.key_formats) > 1 else None),
         rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
                               key_centering=opts.key_centering, value_centering=opts.value_centering,
                               layers=held, windows=record.get("windows"),

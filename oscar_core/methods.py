@@ -10,8 +10,11 @@ with, per method:
     hadamard  QuaRot-style: R = H (normalized Walsh-Hadamard), μ = 0, c = 1
     kivi      KIVI-style: keys per channel in groups of G tokens (so a key's block is quantized only once
               all its G tokens are out of the BF16 window), values per token in groups of G channels; c = 1
-    oscar     the bundle's R_K, R_V, μ_K (key centring), μ_V, per-head clips c_K, c_V
+    oscar     the bundle's R_K, R_V, μ_K (key centring), μ_V, per-head clips c_K, c_V, and per layer the
+              key axis the export chose (bundle.key_axis: per token, or per channel over blocks of G tokens)
 The first `sink` tokens and the last `recent` tokens stay in BF16 for every method (bundle or SPEC defaults).
+A layer whose keys are quantized per channel moves keys and values to INT2 together, a block of G tokens
+at a time (LayerMethod.token_block), so its BF16 recent window holds W to W + G − 1 tokens.
 """
 
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_core import quant
+from oscar_core.bundle import bundle_layers
 from oscar_core.errors import OscarError
 from oscar_core.rotations import hadamard
 
@@ -53,6 +57,11 @@ class Side:
 class LayerMethod:
     key: Side | None      # None: kept in BF16 (no quantization)
     value: Side | None
+
+    @property
+    def token_block(self) -> int:
+        """Tokens that leave the recent window for INT2 together (both sides): 1, or G for channel-axis keys."""
+        return max([side.token_block for side in (self.key, self.value) if side is not None], default=1)
 
 
 def check_method(method: str) -> None:
@@ -89,7 +98,8 @@ def layer_method(method: str, layer: int, kv_heads: int, head_dim: int, bundle=N
         x = bundle.layer(layer, name)
         return None if x is None else x.float()
 
-    return LayerMethod(Side(g, rotation=t("key_rotation"), mean=t("key_mean"), clip=t("key_clip")),
+    return LayerMethod(Side(g, bundle.key_axis(layer), rotation=t("key_rotation"), mean=t("key_mean"),
+                            clip=t("key_clip")),
                        Side(gv, rotation=t("value_rotation"), mean=t("value_mean"), clip=t("value_clip")))
 
 
@@ -164,17 +174,19 @@ def fake(side: Side, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, x[..., full:, :].float()], dim=-2)
 
 
-def int2_mask(positions: torch.Tensor, keys: int, side: Side | None, sink: int, recent: int) -> torch.Tensor:
+def int2_mask(positions: torch.Tensor, keys: int, side: Side | None, sink: int, recent: int,
+              block: int | None = None) -> torch.Tensor:
     """bool [len(positions), keys]: is key t read from INT2 by the query at position p?
 
-    A token t ≥ sink leaves the BF16 window once p − t ≥ recent; with token blocks of b (KIVI keys)
-    the block goes to INT2 only when its last token last(t) = sink + ⌊(t − sink)/b⌋·b + b − 1 has:
+    A token t ≥ sink leaves the BF16 window once p − t ≥ recent; with token blocks of b (the layer's
+    LayerMethod.token_block; default the side's own) the block goes to INT2 only when its last token
+    last(t) = sink + ⌊(t − sink)/b⌋·b + b − 1 has:
         INT2(p, t) = t ≥ sink  and  last(t) ≤ p − recent.
     So every query sees its own token and the `recent` − 1 before it exactly (t ∈ (p − recent, p])."""
     t = torch.arange(keys, device=positions.device)
     if side is None:
         return torch.zeros(len(positions), keys, dtype=torch.bool, device=positions.device)
-    b = side.token_block
+    b = block or side.token_block
     last = sink + torch.div(t - sink, b, rounding_mode="floor") * b + b - 1
     return (t >= sink)[None, :] & (last[None, :] <= positions[:, None] - recent)
 
@@ -182,17 +194,17 @@ def int2_mask(positions: torch.Tensor, keys: int, side: Side | None, sink: int, 
 def bits_per_element(method: str, context: int, bundle=None) -> float:
     """Average bits per cached K/V element at `context` tokens, BF16 windows, codes and metadata counted.
 
-    Token axis: quant.bits_per_element. Channel axis (KIVI keys): the tokens past the sink that do
-    not fill a whole block outside the recent window also stay BF16."""
+    Per layer and side: the tokens past the sink that do not fill a whole block of the layer's token_block
+    outside the recent window stay BF16, the rest cost 2 + 16/G bits. A bundle's layers may differ (key
+    axis per layer): their figures are averaged."""
     check_method(method)
     if method == "bf16":
         return float(quant.BF16_BITS)
     sink, recent = windows(method, bundle)
-    lm = layer_method(method, 0, 1, 64 if bundle is None else bundle.manifest.model.head_dim, bundle)
+    d = 64 if bundle is None else bundle.manifest.model.head_dim
     out = []
-    for side in (lm.key, lm.value):
-        g, b = side.group_size, side.token_block
-        int2 = max(context - sink - recent, 0) // b * b
-        bits = (context - int2) * quant.BF16_BITS + int2 * (2 + quant.METADATA_BITS_PER_GROUP / g)
-        out.append(bits / max(context, 1))
-    return sum(out) / 2
+    for layer in ([0] if bundle is None else bundle_layers(bundle.manifest)):
+        lm = layer_method(method, layer, 1, d, bundle)
+        out += [quant.bits_per_element(context, side.group_size, sink, recent, lm.token_block)
+                for side in (lm.key, lm.value)]
+    return sum(out) / len(out)

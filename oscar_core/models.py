@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import logging
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from oscar_core import packaged
 from oscar_core.bundle import ModelInfo
 from oscar_core.errors import OscarError
 from oscar_core.fileio import sha256_file
@@ -53,6 +55,9 @@ def resolve(spec: str | None) -> tuple[str, dict, str | None]:
     """Turn a model spec into (from_pretrained path or id, extra kwargs, weights file to hash)."""
     if spec in (None, "", DEFAULT_MODEL):
         path = default_gguf_path()
+        return str(path.parent), {"gguf_file": path.name}, str(path)
+    if spec.startswith(packaged.PREFIX):
+        path = packaged.path_of(spec[len(packaged.PREFIX):])
         return str(path.parent), {"gguf_file": path.name}, str(path)
     if _looks_like_path(spec):
         path = Path(spec).expanduser()
@@ -115,12 +120,35 @@ def hub_revision(repo_id: str) -> str | None:
     return Path(path).parent.name if isinstance(path, str) and "snapshots" in Path(path).parts else None
 
 
+def gguf_name(path: str | Path) -> str | None:
+    """<org>/<name> from a GGUF file's metadata, as the GGUF naming convention composes it:
+    general.basename-size_label-finetune (else general.name), org general.organization (else "local");
+    None when the file names nothing."""
+    from gguf import GGUFReader
+
+    def field(key):
+        f = reader.fields.get(f"general.{key}")
+        try:
+            value = None if f is None else f.contents()
+        except (ValueError, IndexError):
+            return None
+        return value.strip() if isinstance(value, str) and value.strip() else None
+
+    reader = GGUFReader(str(path))
+    base = field("basename")
+    name = "-".join(x for x in (base, field("size_label"), field("finetune")) if x) if base else field("name")
+    if not name:
+        return None
+    clean = lambda x: re.sub(r"[^A-Za-z0-9._-]+", "-", x).strip("-.")  # noqa: E731
+    return f"{clean(field('organization') or 'local')}/{clean(name)}"
+
+
 def model_info(spec: str | None, config, weights_file: str | None, source: str, architecture: str) -> ModelInfo:
     facts = attention_facts(config, architecture)
     if spec in (None, "", DEFAULT_MODEL):
         model_id = DEFAULT_MODEL_ID
     elif weights_file:
-        model_id = Path(weights_file).name
+        model_id = gguf_name(weights_file) or Path(weights_file).name
     else:
         model_id = Path(spec).name if Path(spec).exists() else spec
     file_hash = None

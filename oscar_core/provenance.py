@@ -41,8 +41,8 @@ def platform_record(device: str = "cpu") -> dict[str, str]:
 
 
 def model_source(spec: str | None) -> str:
-    """Where a model spec loads from, as a hint for later commands: 'default', an absolute path, or a hub id."""
-    if spec in (None, "", "default"):
-        return "default"
+    """Where a model spec loads from, as a hint for later commands: 'default', 'packaged:<name>', an absolute path, or a hub id."""
+    if spec in (None, "", "default") or spec.startswith("packaged:"):
+        return spec or "default"
     path = Path(spec).expanduser()
     return str(path.resolve()) if path.exists() else spec

@@ -106,9 +106,10 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 
 
 def bits_per_element(context: int, group_size: int = 64, sink_tokens: int = 64,
-                     recent_tokens: int = 256) -> float:
-    """Average bits per cached element at `context` tokens: BF16 windows plus INT2 codes and metadata."""
-    kept = min(context, sink_tokens + recent_tokens)
-    quantized = context - kept
+                     recent_tokens: int = 256, token_block: int = 1) -> float:
+    """Average bits per cached element at `context` tokens: BF16 windows plus INT2 codes and metadata.
+    Tokens leave the recent window in whole blocks of `token_block` (G for keys grouped per channel), so
+    up to token_block − 1 more of them stay BF16."""
+    quantized = max(context - sink_tokens - recent_tokens, 0) // token_block * token_block
     int2_bits = math.log2(LEVELS) + METADATA_BITS_PER_GROUP / group_size
-    return (kept * BF16_BITS + quantized * int2_bits) / context
+    return ((context - quantized) * BF16_BITS + quantized * int2_bits) / context

@@ -59,7 +59,7 @@ def simulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     k_q, v_q = _int2(lm.key, k_bf, sink), _int2(lm.value, v_bf, sink)
     q = query.float().reshape(bsz, kv_heads, group, tq, d)
     out = torch.empty(bsz, kv_heads, group, tq, d, dtype=torch.float32, device=query.device)
-    blocks = [side.token_block for side in (lm.key, lm.value) if side is not None] or [1]
+    block = lm.token_block
     for start in range(0, tq, chunk):
         stop = min(start + chunk, tq)
         n = stop - start
@@ -68,7 +68,7 @@ def simulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         first, last = int(pos[0]), int(pos[-1])
         # Keys in [sink, lo) are INT2 for every query of the chunk: last(t) ≤ t + b − 1 ≤ first − recent.
         s = min(sink, last + 1)
-        lo = min(max(s, first - recent - max(blocks) + 2), last + 1)
+        lo = min(max(s, first - recent - block + 2), last + 1)
         # In a window, keys before first − N + 1 are seen by no query of the chunk, from last − N + 1 by all.
         seen_by_one = s if window is None else max(s, first - window + 1)
         far_lo = s if window is None else max(s, last - window + 1)
@@ -76,8 +76,8 @@ def simulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         dev = query.device
         cols = torch.cat([torch.arange(s, device=dev), torch.arange(min(seen_by_one, far_lo), far_lo, device=dev),
                           torch.arange(lo, last + 1, device=dev)])
-        mk = methods.int2_mask(pos, last + 1, lm.key, sink, recent)[:, cols].repeat(group, 1)
-        mv = methods.int2_mask(pos, last + 1, lm.value, sink, recent)[:, cols].repeat(group, 1)
+        mk = methods.int2_mask(pos, last + 1, lm.key, sink, recent, block)[:, cols].repeat(group, 1)
+        mv = methods.int2_mask(pos, last + 1, lm.value, sink, recent, block)[:, cols].repeat(group, 1)
         causal = visible(pos, last + 1, window)[:, cols].repeat(group, 1)
         # Band (sink and keys near the chunk): one score per key, against the exact or the INT2 key,
         # whichever the cache holds for this query.

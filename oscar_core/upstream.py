@@ -392,6 +392,17 @@ def _statistics_for(bundle: Bundle, calib_dir: str | Path):
     return stats
 
 
+def _axis_cost(m: Manifest, layers: list[int]) -> str:
+    """What serving those layers' keys per token costs, from the errors the export recorded (quant.layers)."""
+    entries = [e for e in m.quant.layers or () if e.layer in layers and e.errors]
+    if not entries:
+        return ""
+    token = sum(max(v for k, v in e.errors.items() if k.startswith("token")) for e in entries) / len(entries)
+    kept = sum(e.errors[e.key_format] for e in entries) / len(entries)
+    return (f" (on the calibration probe their keys' relative attention-output error is {token:.3g} per token "
+            f"against {kept:.3g} as the bundle keeps them, mean over those layers)")
+
+
 def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | Path | None = None,
                 group_size: int = UPSTREAM_GROUP, clips: str = "searched", key_clip: float | None = None,
                 value_clip: float | None = None, per_layer: bool = False) -> ExportPlan:
@@ -412,10 +423,15 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
     g = served_group_size(group_size, m.model.head_dim)
     layers = bundle_layers(m)
     kv, d = m.model.num_kv_heads, m.model.head_dim
-    needs_stats = per_layer or (clips == "searched" and None in (key_clip, value_clip)) or any(
+    # The runtime quantizes keys per token: a layer whose keys the bundle keeps per channel is served per token,
+    # with the published U_Q·H·P_br from the statistics in place of its own (per-channel) rotation.
+    per_channel = [i for i in layers if bundle.key_axis(i) == "channel"]
+    needs_stats = per_layer or bool(per_channel) or (clips == "searched" and None in (key_clip, value_clip)) or any(
         bundle.layer(i, f"{s}_eigenvalues") is None for i in layers for s in FILES)
     if needs_stats and calib_dir is None:
         why = ("--per-layer derives rotations from the statistics" if per_layer else
+               f"layers {_ranges(per_channel)} keep keys per channel, which the runtime cannot serve; their "
+               "per-token rotation comes from the statistics" if per_channel else
                "--clips searched searches the clips on the calibration probe" if clips == "searched" else
                "the bundle carries no eigenvalues")
         raise OscarError(f"pass --calibration DIR (the calibration {m.name} {m.version} was exported from): {why}"
@@ -432,6 +448,9 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
                 rotations[side][i] = rotation("oscar", cov, g).float()
                 eigen[side][i] = eigenvalues(cov).float()
                 eigen_source = "calibration statistics"
+            elif side == "key" and i in per_channel:
+                rotations[side][i] = rotation("oscar", covariance[side](i), g).float()
+                eigen[side][i] = eigenvalues(covariance[side](i)).float()
             else:
                 rotations[side][i] = bundle.layer(i, f"{side}_rotation").float()
                 carried = bundle.layer(i, f"{side}_eigenvalues")
@@ -476,6 +495,9 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
         notes.append(f"group size {group_size} capped at head_dim {d}: one group per head")
     if per_layer:
         notes.append("one rotation per layer (C_Q, C_S averaged over the KV heads), not the bundle's per-head ones")
+    if per_channel:
+        notes.append(f"keys per channel not served: the runtime quantizes keys per token, so layers "
+                     f"{_ranges(per_channel)} are served per token in U_Q·H·P_br" + _axis_cost(m, per_channel))
     notes.append("value rotation: the eigenbasis of our C_S = OᵀO/N in the file their loader calls 'sst'")
     env = serve_env(directory.resolve(), chosen, sink, recent)
     command = serve_command(m.model.id, g)

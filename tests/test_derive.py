@@ -122,7 +122,7 @@ def test_default_key_clip_floor_is_recorded():
         "keys: attention-logit error (key clip >= 0.8); values: attention-output error"
     stats = stats_of_probe(1, outlier=0.0, d=64)  # Gaussian keys in groups of 64: the unfloored search clips hard
     from oscar_core.derive import derive_layer
-    layer = derive_layer(stats, 0, DeriveOptions(sink_tokens=8))
+    layer, _ = derive_layer(stats, 0, DeriveOptions(sink_tokens=8))
     unfloored = derive_keys(stats, 0, "oscar", True, 64, 8)["key_clip"]
     assert (unfloored < 0.8).any()  # without the floor this probe's search clips harder
     assert (layer["key_clip"] >= 0.8).all()

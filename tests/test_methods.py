@@ -56,6 +56,10 @@ def test_int2_mask_windows():
     blocks = methods.int2_mask(pos, 20, methods.Side(4, axis="channel"), sink=2, recent=4)
     assert not blocks[8].any() and blocks[9, 2:6].all() and not blocks[9, 6:].any()   # block [2, 6) once 5 ≤ p − 4
     assert not methods.int2_mask(pos, 20, None, 2, 4).any()
+    # Values of a layer whose keys go by blocks move with them.
+    lm = methods.LayerMethod(methods.Side(4, axis="channel"), methods.Side(4))
+    assert lm.token_block == 4
+    assert torch.equal(methods.int2_mask(pos, 20, lm.value, 2, 4, lm.token_block), blocks)
 
 
 def test_bits_per_element_same_bits_for_every_int2_method():

@@ -36,8 +36,8 @@ def brute_force(q, k, v, lm, scaling, window=None):
     k_q, v_q = int2(lm.key, k_bf), int2(lm.value, v_bf)
     out = torch.empty_like(q)
     for p in range(t):
-        mk = methods.int2_mask(torch.tensor([p]), p + 1, lm.key, SINK, RECENT)[0][:, None]
-        mv = methods.int2_mask(torch.tensor([p]), p + 1, lm.value, SINK, RECENT)[0][:, None]
+        mk = methods.int2_mask(torch.tensor([p]), p + 1, lm.key, SINK, RECENT, lm.token_block)[0][:, None]
+        mv = methods.int2_mask(torch.tensor([p]), p + 1, lm.value, SINK, RECENT, lm.token_block)[0][:, None]
         kp = torch.where(mk, k_q[:, :, :p + 1], k_bf[:, :, :p + 1]).repeat_interleave(2, 1)
         vp = torch.where(mv, v_q[:, :, :p + 1], v_bf[:, :, :p + 1]).repeat_interleave(2, 1)
         a = 0 if window is None else max(0, p - window + 1)
@@ -63,6 +63,7 @@ def test_simulated_attention_matches_decoding_through_the_cache(name):
     layer = OscarLayer("kivi", 0, None, SINK, RECENT)  # a SideStore layer (growing tensors); sides replaced below
     layer.lazy_initialization(k[:, :, :1])
     layer.key_store.side, layer.value_store.side = lm.key, lm.value
+    layer.key_store.block = layer.value_store.block = lm.token_block
     outs = []
     for p in range(k.shape[2]):
         kp, vp = layer.update(k[:, :, p:p + 1], v[:, :, p:p + 1])

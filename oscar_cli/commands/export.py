@@ -53,6 +53,12 @@ def export(
                           f"group {q.key_group_size}, mean clip {q.key_clip:.3f}")
     table.add_row("values", f"{manifest.rotation.value}{' (centred)' if manifest.rotation.value_centering else ''}, "
                             f"group {q.value_group_size}, mean clip {q.value_clip:.3f}")
+    if q.layers:
+        formats: dict[str, list[int]] = {}
+        for entry in q.layers:
+            formats.setdefault(entry.key_format, []).append(entry.layer)
+        table.add_row("key format per layer", "; ".join(f"{name}: {len(ids)} layer(s) ({', '.join(map(str, ids))})"
+                                                        for name, ids in sorted(formats.items())))
     if manifest.rotation.layers is not None:
         table.add_row("layers", f"{', '.join(map(str, manifest.rotation.layers))} of {manifest.model.num_layers} "
                                 "(the attention layers of a hybrid model)")
