@@ -174,3 +174,22 @@ def test_upstream_round_trip_keeps_the_windows(gemma_dir, gemma_bundle, capfd, m
     code, out = run_cli(capfd, monkeypatch, "verify", str(bundle), "--compare", str(imported), "--model",
                         str(gemma_dir), "--device", "cpu", "--data", str(gemma_dir / "corpus.txt"), "--seq-len", "64")
     assert code == 0, out
+
+
+def test_bf16_needle_decoding_equals_generate(gemma_dir, gemma_bundle):
+    """eval's needle path for the bf16 method (exact prefill, written into an OscarCache, decoded on) answers as
+    transformers' generate does, on a prompt 12 times the window."""
+    from oscar_core.bundle import load_bundle
+    from oscar_core.evaluate import ANSWER_TOKENS, needle_answers
+    from oscar_core.models import load_model
+
+    loaded = load_model(str(gemma_dir), "cpu", "float32")
+    bundle = load_bundle(gemma_bundle[1])
+    prompt = torch.randint(3, 200, (96,), generator=torch.Generator().manual_seed(3))
+    (text, tokens, nbytes, _), = needle_answers(loaded.model, loaded.tokenizer, prompt, ["bf16"], bundle, 3).values()
+    with torch.inference_mode():
+        ids = prompt[None]
+        want = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ANSWER_TOKENS,
+                                     do_sample=False, pad_token_id=loaded.tokenizer.eos_token_id)
+    assert text == loaded.tokenizer.decode(want[0, 96:], skip_special_tokens=True)
+    assert tokens == 96 + ANSWER_TOKENS - 1
