@@ -240,3 +240,17 @@ def test_verify_metrics_read_the_window():
     assert torch.allclose(causal_attention(q, k, v, 0.25, torch.arange(30), 6), want, atol=1e-10)
     assert torch.equal(causal_attention(q, k, v, 0.25, torch.arange(30), None),
                        causal_attention(q, k, v, 0.25, torch.arange(30), 10_000))
+
+
+def test_hooks_refuse_a_window_the_config_does_not_state():
+    """The window a layer passes its attention function is checked against layers.layer_specs: a model attending
+    otherwise than its config says is refused in one line rather than observed or simulated wrongly."""
+    model = tiny_sliding_model("gemma3", WINDOW)
+    model.config.sliding_window = 16             # the modules were built with 8 and still pass it
+    with torch.inference_mode(), pytest.raises(OscarError, match="layer 0 attends to a sliding window of 8 tokens, "
+                                                                 "its config says 16"):
+        with observe_attention(model, lambda *args: None):
+            model(ids(20))
+    with torch.inference_mode(), pytest.raises(OscarError, match="its config says 16"):
+        with simulate_int2(model, "bf16"):
+            model(ids(20))
