@@ -366,7 +366,8 @@ class OscarCache(Cache):
     """INT2 KV cache for `model.generate(..., past_key_values=OscarCache(bundle, "oscar"))`.
 
     method: one of methods.METHODS; bundle: needed for "oscar", and gives the layer count, the group
-    sizes and the BF16 windows; without a bundle pass num_layers (or config=model.config).
+    sizes, the BF16 windows and the layers' kinds (layers.manifest_specs); without a bundle pass config=model.config
+    (layers.layer_specs: a hybrid model's state layers, sliding windows) or num_layers (every layer global).
     capacity: tokens per sequence each layer's store is allocated for (prompt, pads included, plus
     new tokens); None: the first update's length, grown by half when exceeded.
     kernel_reads: whether oscar_attention reads decode steps by the Triton kernel; None: when the model
