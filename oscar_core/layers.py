@@ -107,7 +107,7 @@ def manifest_specs(manifest) -> list[LayerSpec]:
     (rotation.windows, which also lists the sliding layers kept whole in BF16)."""
     r = manifest.rotation
     n = manifest.model.num_layers
-    return specs_from(n, list(range(n)) if r.layers is None else r.layers, r.windows)
+    return specs_from(n, list(range(n)) if r.layers is None else r.layers, getattr(r, "windows", None))
 
 
 def ids_text(ids) -> str:

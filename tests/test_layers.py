@@ -254,3 +254,4 @@ def test_hooks_refuse_a_window_the_config_does_not_state():
     with torch.inference_mode(), pytest.raises(OscarError, match="its config says 16"):
         with simulate_int2(model, "bf16"):
             model(ids(20))
+
