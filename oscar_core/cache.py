@@ -535,7 +535,8 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens in held) + ring_bytes
     block = kvstore.ROW_BLOCK   # rows are allocated in whole blocks: one block's bytes over its rows
     window = sink_tokens + recent_tokens
-    out = dict(bytes_per_token=(store(1, window + 2 * block, int2_layers) - store(1, window + block, int2_layers)) // block,
+    one_block = store(1, window + 2 * block, int2_layers) - store(1, window + block, int2_layers)
+    out = dict(bytes_per_token=one_block // block,
                bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
                bits_per_element=round(8 * per_seq / (bf16 // 2), 4))
     if budget_bytes is not None:

@@ -219,7 +219,8 @@ def observe_attention(model, observer):
         check_window(module.layer_idx, spec, kwargs.get("sliding_window"))
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         if spec.window is not None and attention_mask is None and key.shape[2] > spec.window:
-            out, weights = windowed_attention(query, key, value, float(scaling), spec.window).transpose(1, 2).contiguous(), None
+            out = windowed_attention(query, key, value, float(scaling), spec.window).transpose(1, 2).contiguous()
+            weights = None
         else:
             out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         observer(module.layer_idx, query, key, value, out, float(scaling))

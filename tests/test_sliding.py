@@ -100,7 +100,8 @@ def test_unmodelled_attention_is_refused_at_calibrate(tmp_path, capfd, monkeypat
     from transformers import Gemma2Config
 
     Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, architectures=["Gemma2ForCausalLM"]).save_pretrained(tmp_path / "m")
+                 num_key_value_heads=2, head_dim=16,
+                 architectures=["Gemma2ForCausalLM"]).save_pretrained(tmp_path / "m")
     code, out = run_cli(capfd, monkeypatch, "calibrate", str(tmp_path / "m"), "--out", str(tmp_path / "c"),
                         "--device", "cpu")
     assert code == 1 and "Traceback" not in out and not (tmp_path / "c").exists()
