@@ -9,8 +9,12 @@ except once per growth of the capacity (by half, when no `capacity` was given). 
 lengths are one device int32 tensor shared by every layer; the host keeps its own count (`seen`,
 pads included) so a decode step reads nothing back from the device.
 On CUDA a write is one Triton launch per layer (triton.write.append_kv: K and V, the whole batch),
-elsewhere the torch reference (kvstore.append). bf16 and kivi (per-channel key groups) keep the
-SideStore below: sink, INT2 blocks and recent tokens as growing tensors, read in torch.
+elsewhere the torch reference (kvstore.append). A bundle layer whose keys are quantized per channel
+(Bundle.key_axis "channel") lives in the same store with key_axis "channel": its keys and values leave
+the ring a block of G tokens at a time (kvstore's docstring); its decode steps are written by
+triton.write.append_kv plus triton.write.leave_blocks, chunks longer than the window by the torch reference.
+bf16 and the kivi baseline keep the SideStore below: sink, INT2 blocks and recent tokens as growing
+tensors, read in torch.
 
 A hybrid model's layers without a KV cache (linear attention, Mamba: models.attention_layer_ids, the bundle's
 rotation.layers) hold transformers' LinearAttentionLayer (their convolution and recurrent states, exact); the
@@ -40,6 +44,8 @@ captured in a CUDA graph (oscar_core.decode_graph).
 
 import copy
 import dataclasses
+import math
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -181,6 +187,7 @@ class OscarLayer(DynamicLayer):
         self.pending = None         # a multi-token update waiting for the attention mask (oscar_attention)
         self.kernel_reads = False   # set by oscar_attention: single-token steps read by the decode kernel
         self.deferred = False       # the last update was a decode step whose read is left to the kernel
+        self.warned = False         # a decode step meant for the kernel was read in torch (warned once)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -191,9 +198,9 @@ class OscarLayer(DynamicLayer):
                 raise OscarError(f"bundle {self.bundle.manifest.name} is for {m.num_kv_heads} KV heads of dim "
                                  f"{m.head_dim}; this model has {kv_heads} of dim {head_dim}")
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
-        self.kernel_problem = (kernel_problem(lm, kv_heads, head_dim, self.query_heads) if self.window is None
-                               else "the decode kernel reads global attention layers only")
-        if store_problem(lm) is None and self.window is None:
+        self.kernel_problem = (kernel_problem(lm, kv_heads, head_dim, self.query_heads, self.method)
+                               if self.window is None else "the decode kernel reads global attention layers only")
+        if store_problem(lm, self.method) is None and self.window is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
             self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens, lm.token_block)
@@ -215,9 +222,13 @@ class OscarLayer(DynamicLayer):
         (rk, mk, ck), (rv, mv, cv) = tensors(lm.key), tensors(lm.value)
         self.rotation = kvstore.LayerRotation(rk, rv, ck, cv, mk, mv)
         self.group_sizes = (lm.key.group_size, lm.value.group_size)
+        self.key_axis, self.token_block = lm.key.axis, lm.token_block
         self.shape = (kv_heads, head_dim)
         use = self.kernel_writes if self.kernel_writes is not None else dev.type == "cuda"
-        write = _triton_write() if use and write_problem(lm, head_dim) is None else None
+        problem = write_problem(lm, head_dim)
+        if use and problem is not None and self.key_axis == "channel":
+            warnings.warn(f"OscarCache layer {self.layer_idx}: torch writes ({problem})", stacklevel=2)
+        write = _triton_write() if use and problem is None else None
         self.write = write        # the Triton write module, or None: kvstore's torch reference
         if write is not None:
             self.split = (write.prepare_rotation(rk, mk), write.prepare_rotation(rv, mv))
@@ -225,11 +236,11 @@ class OscarLayer(DynamicLayer):
     def _reserve(self, batch: int) -> None:
         """Allocate the store, or grow it to the shared capacity (the INT2 rows copied once)."""
         cap = self.sequences.capacity
-        rows = kvstore.int2_rows(cap, self.sink_tokens, self.recent_tokens)
+        rows = kvstore.int2_rows(cap, self.sink_tokens, self.recent_tokens, self.token_block)
         if self.store is not None and self.store.key_codes.shape[2] >= rows:
             return
         new = kvstore.empty_cache(batch, *self.shape, cap, *self.group_sizes, self.sink_tokens, self.recent_tokens,
-                                  device=self.device)
+                                  device=self.device, key_axis=self.key_axis)
         new.lengths = self.sequences.lengths
         if self.store is not None:
             for f in dataclasses.fields(kvstore.Int2KVCache):
@@ -244,7 +255,11 @@ class OscarLayer(DynamicLayer):
         if self.counts:
             seq.advance(key_states.shape[0], n, starts, key_states.device)
         self._reserve(key_states.shape[0])
-        if self.write is not None:
+        if self.write is not None and self.key_axis == "channel" and n <= self.recent_tokens:
+            self.write.leave_blocks(self.store, self.rotation.key_clip, self.rotation.value_clip, n, starts)
+            self.write.append_kv(self.store, key_states, value_states, *self.split, self.rotation.key_clip,
+                                 self.rotation.value_clip, starts, evict=False)
+        elif self.write is not None and self.key_axis == "token":
             self.write.append_kv(self.store, key_states, value_states, *self.split, self.rotation.key_clip,
                                  self.rotation.value_clip, starts, evict=self.seen > 0)
         else:
@@ -263,6 +278,9 @@ class OscarLayer(DynamicLayer):
         else:
             self.commit(key_states, value_states, None)
         self.deferred = n == 1 and self.kernel_reads and self.kernel_problem is None
+        if n == 1 and self.kernel_reads and self.kernel_problem is not None and not self.warned:
+            self.warned = True
+            warnings.warn(f"OscarCache layer {self.layer_idx}: torch reads ({self.kernel_problem})", stacklevel=2)
         if self.deferred:
             return key_states, value_states   # placeholders: oscar_attention reads the store by kernel
         if n == 1:
@@ -351,7 +369,7 @@ class OscarLayer(DynamicLayer):
         """INT2 tokens of the longest sequence (host count)."""
         if self.key_store is not None:
             return self.key_store.n_int2
-        return max(self.seen - self.sink_tokens - self.recent_tokens, 0)
+        return max(self.seen - self.sink_tokens - self.recent_tokens, 0) // self.token_block * self.token_block
 
     def nbytes(self) -> int:
         if self.store is not None:
@@ -508,34 +526,38 @@ def fill(cache: OscarCache, prefill: Cache) -> OscarCache:
 
 def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, budget_bytes: int | None = None,
                 key_group_size: int = 64, value_group_size: int = 64, sink_tokens: int = methods.SINK_TOKENS,
-                recent_tokens: int = methods.RECENT_TOKENS, windows: list[int | None] | None = None) -> dict:
-    """Bytes an INT2 OscarCache (token groups) allocates, and the largest batch a budget holds.
+                recent_tokens: int = methods.RECENT_TOKENS, key_axes: list[str] | None = None,
+                windows: list[int | None] | None = None) -> dict:
+    """Bytes an INT2 OscarCache allocates, and the largest batch a budget holds.
 
-    bytes_per_token: one INT2 token of every layer (codes, scale and zero codes, K and V);
-    bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
-    included (kvstore.store_nbytes, exactly what OscarCache allocates at that capacity);
-    bf16_bytes_per_sequence: the same context in a BF16 cache; max_batch / bf16_max_batch: how many
-    sequences of `context` tokens fit in budget_bytes (if given); bits_per_element: bits per K/V element held.
+    key_axes: each layer's key axis ("token" or "channel", Bundle.key_axis; None: all "token"); a
+    channel layer's store holds a ring of W + G slots and rows in whole blocks of G (kvstore.store_nbytes).
     windows: each layer's sliding window (None: global attention), e.g. [s.window for s in layer_specs(config)];
     a layer whose window holds no INT2 (layers.holds_int2) counts as what its RingLayer allocates, min(context, N)
     BF16 tokens (N − 1 kept, and the decoded one), in both caches; a longer window as a store of min(context, N)
-    tokens."""
+    tokens.
+    bytes_per_token: one INT2 token of every INT2 layer (codes, scale and zero codes, K and V);
+    bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
+    included (kvstore.store_nbytes, exactly what OscarCache allocates at that capacity);
+    bf16_bytes_per_sequence: the same context in a BF16 cache; max_batch / bf16_max_batch: how many
+    sequences of `context` tokens fit in budget_bytes (if given); bits_per_element: bits per K/V element held."""
+    axes = key_axes or ["token"] * num_layers
     windows = windows or [None] * num_layers
     ring = [w is not None and not holds_int2(LayerSpec(window=w), sink_tokens, recent_tokens) for w in windows]
-    ring_tokens = sum(min(context, w) for w, r in zip(windows, ring) if r)
-    ring_bytes = 2 * kv_heads * ring_tokens * head_dim * 2
-    held = [min(context, w or context) for w, r in zip(windows, ring) if not r]   # tokens of each INT2 layer
+    ring_bytes = 2 * kv_heads * sum(min(context, w) for w, r in zip(windows, ring) if r) * head_dim * 2
+    held = [(min(context, w or context), axis) for w, r, axis in zip(windows, ring, axes) if not r]
+    int2_axes = [axis for _, axis in held]
 
-    def store(batch, capacity, layers=1):
-        return layers * kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size,
-                                             value_group_size, sink_tokens, recent_tokens)
+    def store(batch, capacity, layer_axes):
+        return sum(kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size, value_group_size,
+                                        sink_tokens, recent_tokens, axis) for axis in layer_axes)
 
-    int2_layers = len(held)
-    per_seq = sum(store(1, tokens) for tokens in held) + ring_bytes
-    bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens in held) + ring_bytes
-    block = kvstore.ROW_BLOCK   # rows are allocated in whole blocks: one block's bytes over its rows
+    per_seq = sum(store(1, tokens, [axis]) for tokens, axis in held) + ring_bytes
+    bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens, _ in held) + ring_bytes
+    # Rows are allocated in whole blocks: one block's bytes over its rows.
+    block = kvstore.ROW_BLOCK if "channel" not in int2_axes else math.lcm(kvstore.ROW_BLOCK, key_group_size)
     window = sink_tokens + recent_tokens
-    one_block = store(1, window + 2 * block, int2_layers) - store(1, window + block, int2_layers)
+    one_block = store(1, window + 2 * block, int2_axes) - store(1, window + block, int2_axes)
     out = dict(bytes_per_token=one_block // block,
                bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
                bits_per_element=round(8 * per_seq / (bf16 // 2), 4))
@@ -544,9 +566,10 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     return out
 
 
-def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_heads: int | None = None) -> str | None:
+def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_heads: int | None = None,
+                   method: str | None = None) -> str | None:
     """Why the decode kernel cannot read a layer of this method (None: it can); query_heads None: not known."""
-    problem = store_problem(lm)
+    problem = store_problem(lm, method)
     if problem is not None:
         return problem
     try:
@@ -554,16 +577,18 @@ def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_
     except ImportError:
         return "triton is not installed"
     try:
-        check_shape(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size)
+        check_shape(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size,
+                    lm.key.axis)
     except ValueError as e:
         return str(e)
     return None
 
 
-def store_problem(lm: methods.LayerMethod) -> str | None:
-    """Why a layer of this method cannot live in a kvstore.Int2KVCache (None: it can)."""
-    if any(side is None or side.axis != "token" for side in (lm.key, lm.value)):
-        return "the kernel reads INT2 keys and values in per-token groups only"
+def store_problem(lm: methods.LayerMethod, method: str | None = None) -> str | None:
+    """Why a layer of this method cannot live in a kvstore.Int2KVCache (None: it can): values per token, keys
+    per token or per channel. The kivi baseline keeps the SideStore (as it was measured)."""
+    if any(side is None for side in (lm.key, lm.value)) or lm.value.axis != "token" or method == "kivi":
+        return "the kernel reads INT2 values in per-token groups, keys per-token or by a bundle's channel blocks"
     return None
 
 
@@ -573,6 +598,8 @@ def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
         return n >= 4 and n & (n - 1) == 0
     if not pow2(head_dim) or head_dim < 16 or not all(pow2(s.group_size) for s in (lm.key, lm.value)):
         return "the write kernel needs power-of-two head_dim and group sizes"
+    if lm.key.axis == "channel" and lm.key.group_size > 256:
+        return "the write kernel quantizes key blocks of up to 256 tokens"
     if head_dim > 128:
         # R split in two bf16 [d, d] tiles: 256 KiB of shared memory at d = 256, over the H100's 227 KiB
         return "the write kernel holds R in shared memory up to head_dim 128"

@@ -7,17 +7,22 @@ four levels on the keys' spread instead of their common offset (the post-RoPE ke
 Values have no such invariance (μ_V would have to be added back), so they are not centred by default.
 
 Clip thresholds, per KV head, by grid search on the calibration probe (tokens past the BF16 sinks):
-    keys:   argmin_{c >= key_clip_floor} Σ_t e_t C_Q e_t^T,   e_t = k̂_t − k_t   (expected attention-logit error;
-            key_clip_objective "logit", the default), or one of the attention-aware objectives below:
-              "output":  Σ_q ‖softmax(s·q·K̂^T)V − softmax(s·q·K^T)V‖²   (attention-output error of the keys alone)
+    keys:   argmin_{c >= key_clip_floor} of the key clip objective, by default the attention-output error
+              "output":  Σ_q ‖softmax(s·q·K̂^T)V − softmax(s·q·K^T)V‖²   (of the keys alone; the default)
+            or
+              "logit":   Σ_t e_t C_Q e_t^T,   e_t = k̂_t − k_t        (expected attention-logit error)
               "kl":      Σ_q KL(softmax(s·q·K^T) ‖ softmax(s·q·K̂^T))     (attention-distribution error)
               "weighted-logit": Σ_q Σ_t S_qt (s·q·e_t)²                  (logit error weighted by exact attention)
             The logit objective averages over every query and key; the others weigh an error by how much the
             exact attention reads that key, so a few sharply attended keys (retrieval) count as they do at decode.
-            On SmolLM2's 512-token probe, "output" and "kl" pick the same clips as "logit" (~0.72) and did not
-            help 8K needle retrieval; "weighted-logit" picks ~0.77. The floor (default 0.8) is what helped:
-            the probe is too short to contain the 8K-context retrieval that the clip hurts.
+            A relative logit error cannot see a layer whose logits are large and close (Qwen2.5-Coder-0.5B's layer
+            0: the smallest relative error, the largest damage); softmax can. On SmolLM2's 512-token probe,
+            "output" and "kl" pick the same clips as "logit" (~0.72) and did not help 8K needle retrieval. The
+            floor (default 0.8) is what helped: the probe is too short to contain the 8K retrieval the clip hurts.
     values: argmin_c ‖S (V̂ − V)‖²,       S = causal softmax(scaling·q·k^T)   (attention-output error)
+
+Key format, per layer (derive_layer): keys per token (groups of G channels, U_Q·H·P_br) or per channel (groups of
+G tokens, no rotation or U_Q), whichever leaves the smaller relative attention-output error on the probe.
 """
 
 from dataclasses import dataclass
@@ -59,7 +64,7 @@ class DeriveOptions:
     value_group_size: int = 64
     sink_tokens: int = 64
     clip_grid: tuple[float, ...] = CLIP_GRID
-    key_clip_objective: str = "logit"   # one of KEY_CLIP_OBJECTIVES
+    key_clip_objective: str = "output"   # one of KEY_CLIP_OBJECTIVES: attention-aware by default
     # Key clips are searched on the grid's points >= this floor. 0.8, not the grid's 0.5: on the probe the
     # logit, output and KL objectives pick ~0.70 for keys, which crushes the outlier key components a
     # long-context retrieval query reads; on the H100 (bench/results/key_clip.md) the floor took OSCAR's 8K

@@ -145,7 +145,8 @@ def needle_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[st
     model(input_ids=ids[:, :-1], past_key_values=prefill, use_cache=True, logits_to_keep=1)
     out = {}
     for m in method_names:
-        cache = fill(OscarCache(bundle, m, num_layers=num_layers), prefill)
+        # Allocated for the prompt and the answer exactly, so the bytes reported are what the cache holds.
+        cache = fill(OscarCache(bundle, m, num_layers=num_layers, capacity=ids.shape[1] + ANSWER_TOKENS), prefill)
         with oscar_attention(model, cache):
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                                  max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)

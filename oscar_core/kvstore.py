@@ -9,9 +9,18 @@ Decode attention of one new query q (original space, query head j reading KV hea
     q̃ = q·R_K[h]                              (R_K orthogonal, so q̃·k̃ = q·k − q·μ_K)
     p_t = softmax_t(scaling · q̃·k̃_t)          (the q·μ_K term is the same for every t: softmax ignores it)
     o = (Σ_t p_t ṽ_t)·R_V[h]^T + μ_V[h]
+Keys per channel (key_axis "channel", a bundle layer whose Bundle.key_axis says so; methods.Side axis
+"channel"): k̃ is quantized per channel over blocks of G = key_group_size tokens after the sink: block j
+(positions S + jG .. S + jG + G − 1) of head h and channel c is one INT2 group, the G values k̃[·, c]
+(quant.quantize of the [d, G] transposed block with the head's clip, exactly methods.encode). Keys and
+values leave the BF16 window together, a whole block at a time, when its last token does (methods.int2_mask
+with block G): with L tokens the first n_int2 = ⌊max(L − S − W, 0)/G⌋·G after the sink are INT2 and the
+BF16 recent window holds W .. W + G − 1 tokens. Values stay per token (groups of G_V channels).
+
 This module is the ground truth for oscar_core/triton/write.py and decode.py; it does no I/O.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +56,14 @@ class Int2KVCache:
     min(W, max(L − S, 0)) ring rows (in some order: attention does not depend on it), and the
     INT2 tokens are rows [0, max(L − S − W, 0)) of the code tensors. All stored values are rotated
     and centred. T = capacity − S − W rows bound the context at `capacity` tokens.
+
+    key_axis "channel" (keys per channel over blocks of G = key_group_size tokens) changes three things:
+      key_scale, key_zero    uint8 / int8 [B, H_kv, T/G, d]: block j's codes of channel c at [b, :, j, c]
+                             (key_codes keep the per-token rows above, packed along channels);
+      key_recent, value_recent  bf16 [B, H_kv, W + G, d]: ring of R = W + G slots, position p at (p − S) mod R;
+      INT2 rows [0, n_int2), n_int2 = ⌊max(L − S − W, 0)/G⌋·G (whole blocks; values move with them),
+    and the BF16 ring tokens are positions S + n_int2 .. L − 1 (at most W + G − 1, so a block that
+    leaves and the token that pushes it out never share a slot). T is a multiple of G.
     """
     key_sink: torch.Tensor
     value_sink: torch.Tensor
@@ -61,35 +78,52 @@ class Int2KVCache:
     lengths: torch.Tensor
     key_group_size: int = 64
     value_group_size: int = 64
+    key_axis: str = "token"
+
+    @property
+    def token_block(self) -> int:
+        """Tokens that leave the recent window together: 1, or G for keys per channel."""
+        return self.key_group_size if self.key_axis == "channel" else 1
 
     @property
     def sink_tokens(self) -> int:
         return self.key_sink.shape[2]
 
     @property
-    def recent_tokens(self) -> int:
+    def ring_slots(self) -> int:
         return self.key_recent.shape[2]
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.ring_slots - (self.token_block if self.key_axis == "channel" else 0)
 
     def int2_tokens(self) -> torch.Tensor:
         """Number of INT2 rows in use per sequence, int64 [B]."""
-        return (self.lengths.long() - self.sink_tokens - self.recent_tokens).clamp_min(0)
+        n = (self.lengths.long() - self.sink_tokens - self.recent_tokens).clamp_min(0)
+        return n // self.token_block * self.token_block
 
 
 ROW_BLOCK = 64
 
 
-def int2_rows(capacity: int, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS) -> int:
+def int2_rows(capacity: int, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
+              token_block: int = 1) -> int:
     """INT2 rows a store of `capacity` tokens allocates: at least one, rounded up to whole blocks of
-    ROW_BLOCK so the decode kernel reads whole 64-token tiles without bounds checks."""
+    ROW_BLOCK so the decode kernel reads whole 64-token tiles without bounds checks (and to whole
+    blocks of token_block, the key blocks of a layer with keys per channel)."""
     rows = max(capacity - sink_tokens - recent_tokens, 1)
-    return -(-rows // ROW_BLOCK) * ROW_BLOCK
+    block = math.lcm(ROW_BLOCK, token_block)
+    return -(-rows // block) * block
 
 
 def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_group_size: int = 64,
                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
-                device: str | torch.device = "cpu") -> Int2KVCache:
-    """An empty store for up to `capacity` tokens per sequence (INT2 rows: int2_rows)."""
-    rows = int2_rows(capacity, sink_tokens, recent_tokens)
+                device: str | torch.device = "cpu", key_axis: str = "token") -> Int2KVCache:
+    """An empty store for up to `capacity` tokens per sequence (INT2 rows: int2_rows); key_axis "channel":
+    keys per channel over blocks of key_group_size tokens (the class docstring)."""
+    block = key_group_size if key_axis == "channel" else 1
+    rows = int2_rows(capacity, sink_tokens, recent_tokens, block)
+    ring = recent_tokens + (block if key_axis == "channel" else 0)
 
     def bf16(n):
         return torch.zeros(batch, kv_heads, n, head_dim, dtype=torch.bfloat16, device=device)
@@ -97,15 +131,19 @@ def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_gro
     def meta(g, dtype):
         return torch.zeros(batch, kv_heads, rows, head_dim // g, dtype=dtype, device=device)
 
+    if key_axis == "channel":
+        key_scale = torch.zeros(batch, kv_heads, rows // block, head_dim, dtype=torch.uint8, device=device)
+        key_zero = torch.zeros(batch, kv_heads, rows // block, head_dim, dtype=torch.int8, device=device)
+    else:
+        key_scale, key_zero = meta(key_group_size, torch.uint8), meta(key_group_size, torch.int8)
     return Int2KVCache(
         key_sink=bf16(sink_tokens), value_sink=bf16(sink_tokens),
-        key_recent=bf16(recent_tokens), value_recent=bf16(recent_tokens),
-        key_codes=meta(4, torch.uint8), key_scale=meta(key_group_size, torch.uint8),
-        key_zero=meta(key_group_size, torch.int8),
+        key_recent=bf16(ring), value_recent=bf16(ring),
+        key_codes=meta(4, torch.uint8), key_scale=key_scale, key_zero=key_zero,
         value_codes=meta(4, torch.uint8), value_scale=meta(value_group_size, torch.uint8),
         value_zero=meta(value_group_size, torch.int8),
         lengths=torch.zeros(batch, dtype=torch.int32, device=device),
-        key_group_size=key_group_size, value_group_size=value_group_size)
+        key_group_size=key_group_size, value_group_size=value_group_size, key_axis=key_axis)
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,6 +168,67 @@ def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, grou
 def read_int2(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int = 64) -> torch.Tensor:
     """Dequantize the output of write_int2 back to rotated space: float32 [..., d]."""
     return quant.dequantize(quant.unpack_int2(packed), scale, zero, group_size)
+
+
+def write_key_blocks(y: torch.Tensor, clip: torch.Tensor, group_size: int = 64):
+    """Quantize rotated keys y [tokens, H_kv, d] (tokens a multiple of G) per channel over blocks of G tokens,
+    clip [H_kv] (methods.encode of a channel-axis Side, without the rotation).
+
+    Returns (codes uint8 [tokens, H_kv, d/4] packed along channels by quant.pack_int2,
+             scale codes uint8 [tokens/G, H_kv, d], zero codes int8 [tokens/G, H_kv, d])."""
+    t, h, d = y.shape
+    blocks = y.float().reshape(t // group_size, group_size, h, d).permute(0, 2, 3, 1)   # [t/G, H, d, G]
+    codes, scale, zero = quant.quantize(blocks, group_size, clip.float()[:, None])
+    return quant.pack_int2(codes.permute(0, 3, 1, 2).reshape(t, h, d)), scale[..., 0], zero[..., 0]
+
+
+def read_key_blocks(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    group_size: int = 64) -> torch.Tensor:
+    """Dequantize per-channel key blocks, packed [..., T, d/4], scale/zero [..., T/G, d] -> float32 [..., T, d]:
+    k̂[t, c] = step[t div G, c]·(q[t, c] + z[t div G, c]/4)."""
+    step = quant.scale_from_code(scale).repeat_interleave(group_size, dim=-2)
+    offset = (zero.float() / quant.ZERO_CODES_PER_STEP).repeat_interleave(group_size, dim=-2)
+    return step * (quant.unpack_int2(packed).float() + offset)
+
+
+def _store_blocks(cache: Int2KVCache, b: int, old: int, keys: torch.Tensor, values: torch.Tensor,
+                  layer: LayerRotation) -> None:
+    """Keys per channel: store keys/values [n, H_kv, d] (original space) at positions old .. old + n − 1 of
+    sequence b, after `old` stored tokens. The blocks whose last token leaves the window [S + n_int2(old),
+    S + n_int2(old + n)) are quantized first (keys per channel, values per token) from their BF16 ring copy
+    if they were stored before, else from their float32 rotation; then the new tokens that stay BF16 go to
+    the sink or their ring slot."""
+    s, w, r, g = cache.sink_tokens, cache.recent_tokens, cache.ring_slots, cache.key_group_size
+    final = old + keys.shape[0]
+
+    def n_int2(length):
+        return max(length - s - w, 0) // g * g
+
+    lo, hi = s + n_int2(old), s + n_int2(final)
+    pos = torch.arange(old, final, device=keys.device)
+    in_sink, in_ring = pos < s, pos >= max(hi, s)
+    for x, side in ((keys, "key"), (values, "value")):
+        rot, mean, clip = (getattr(layer, f"{side}_{name}") for name in ("rotation", "mean", "clip"))
+        y = rotate(x, rot, mean)
+        ring = getattr(cache, f"{side}_recent")
+        if hi > lo:
+            split = min(max(old, lo), hi)       # [lo, split) were stored before: read back from the ring
+            kept = ring[b, :, (torch.arange(lo, split, device=keys.device) - s) % r].transpose(0, 1)
+            leave = torch.cat([kept.float(), y[split - old:hi - old]])
+            rows = slice(lo - s, hi - s)
+            if side == "key":
+                packed, scale, zero = write_key_blocks(leave, clip, g)
+                cache.key_scale[b, :, (lo - s) // g:(hi - s) // g] = scale.transpose(0, 1)
+                cache.key_zero[b, :, (lo - s) // g:(hi - s) // g] = zero.transpose(0, 1)
+            else:
+                codes, scale, zero = quant.quantize(leave, cache.value_group_size, clip.float())
+                packed = quant.pack_int2(codes)
+                cache.value_scale[b, :, rows] = scale.transpose(0, 1)
+                cache.value_zero[b, :, rows] = zero.transpose(0, 1)
+            getattr(cache, f"{side}_codes")[b, :, rows] = packed.transpose(0, 1)
+        yb = y.to(torch.bfloat16).transpose(0, 1)
+        getattr(cache, f"{side}_sink")[b, :, pos[in_sink]] = yb[:, in_sink]
+        ring[b, :, (pos[in_ring] - s) % r] = yb[:, in_ring]
 
 
 def _store(cache: Int2KVCache, b: int, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -160,7 +259,9 @@ def prefill(cache: Int2KVCache, keys: torch.Tensor, values: torch.Tensor, length
     Tokens bound for INT2 are quantized from their float32 rotation by `write` (write_int2 or the
     Triton kernel of the same signature)."""
     for b, n in enumerate(lengths.tolist()):
-        if n:
+        if n and cache.key_axis == "channel":
+            _store_blocks(cache, b, 0, keys[b, :n], values[b, :n], layer)
+        elif n:
             pos = torch.arange(n, device=keys.device)
             _store(cache, b, pos, keys[b, :n], values[b, :n], layer, write)
     cache.lengths.copy_(lengths.to(cache.lengths))
@@ -184,9 +285,17 @@ def append(cache: Int2KVCache, keys: torch.Tensor, values: torch.Tensor, layer: 
     positions L_b − n + starts[b] + (t − starts[b]), L_b = cache.lengths[b], which must already count
     them (see advance). A token still in the recent ring that the new ones push out of the last W is
     quantized into its INT2 row from its BF16 rotated copy before its ring slot is reused; new tokens
-    that land in INT2 directly are quantized from their float32 rotation (as prefill)."""
+    that land in INT2 directly are quantized from their float32 rotation (as prefill). Keys per channel:
+    whole blocks leave the ring when their last token does (_store_blocks)."""
     s, w = cache.sink_tokens, cache.recent_tokens
     n = keys.shape[2]
+    if cache.key_axis == "channel":
+        first = [0] * len(keys) if starts is None else starts.tolist()
+        for b, (final, st) in enumerate(zip(cache.lengths.tolist(), first)):
+            if st < n:
+                _store_blocks(cache, b, final - (n - st), keys[b, :, st:].transpose(0, 1),
+                              values[b, :, st:].transpose(0, 1), layer)
+        return
     eye = torch.eye(keys.shape[-1], device=keys.device).expand_as(layer.key_rotation)
     first = [0] * len(keys) if starts is None else starts.tolist()
     for b, (final, st) in enumerate(zip(cache.lengths.tolist(), first)):
@@ -220,28 +329,37 @@ def append_token(cache: Int2KVCache, key: torch.Tensor, value: torch.Tensor, lay
 def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All stored keys and values of sequence b in rotated space, float32 [H_kv, L, d], in position order."""
     n = int(cache.lengths[b])
-    s, w = cache.sink_tokens, cache.recent_tokens
-    n_sink, n_int2 = min(n, s), max(n - s - w, 0)
-    ring = (torch.arange(s + n_int2, max(n, s), device=cache.lengths.device) - s) % w
+    s, w, tb = cache.sink_tokens, cache.recent_tokens, cache.token_block
+    n_sink, n_int2 = min(n, s), max(n - s - w, 0) // tb * tb
+    ring = (torch.arange(s + n_int2, max(n, s), device=cache.lengths.device) - s) % cache.ring_slots
     out = []
     for side in ("key", "value"):
         g = getattr(cache, f"{side}_group_size")
-        parts = [getattr(cache, f"{side}_sink")[b, :, :n_sink].float(),
-                 read_int2(getattr(cache, f"{side}_codes")[b, :, :n_int2],
-                           getattr(cache, f"{side}_scale")[b, :, :n_int2],
-                           getattr(cache, f"{side}_zero")[b, :, :n_int2], g),
+        codes = getattr(cache, f"{side}_codes")[b, :, :n_int2]
+        if side == "key" and cache.key_axis == "channel":
+            int2 = read_key_blocks(codes, cache.key_scale[b, :, :n_int2 // g], cache.key_zero[b, :, :n_int2 // g], g)
+        else:
+            int2 = read_int2(codes, getattr(cache, f"{side}_scale")[b, :, :n_int2],
+                             getattr(cache, f"{side}_zero")[b, :, :n_int2], g)
+        parts = [getattr(cache, f"{side}_sink")[b, :, :n_sink].float(), int2,
                  getattr(cache, f"{side}_recent")[b, :, ring].float()]
         out.append(torch.cat(parts, dim=1))
     return out[0], out[1]
 
 
 def store_nbytes(batch: int, capacity: int, kv_heads: int, head_dim: int, key_group_size: int = 64,
-                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS) -> int:
-    """Bytes of empty_cache(batch, kv_heads, head_dim, capacity, ...): BF16 windows, INT2 rows, lengths."""
-    rows = int2_rows(capacity, sink_tokens, recent_tokens)
-    windows = 2 * (sink_tokens + recent_tokens) * head_dim * 2
-    per_row = 2 * (head_dim // 4) + 2 * (head_dim // key_group_size) + 2 * (head_dim // value_group_size)
-    return batch * kv_heads * (windows + rows * per_row) + 4 * batch
+                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
+                 key_axis: str = "token") -> int:
+    """Bytes of empty_cache(batch, kv_heads, head_dim, capacity, ...): BF16 windows, INT2 rows, lengths.
+    Keys per channel: scale and zero codes of d channels per block of G rows (as many bytes a row as d/G
+    groups a row when G divides d), a ring of W + G slots, rows in whole blocks of G."""
+    channel = key_axis == "channel"
+    block = key_group_size if channel else 1
+    rows = int2_rows(capacity, sink_tokens, recent_tokens, block)
+    windows = 2 * (sink_tokens + recent_tokens + (block if channel else 0)) * head_dim * 2
+    key_meta = 2 * (rows // block) * head_dim if channel else 2 * rows * (head_dim // key_group_size)
+    per_row = 2 * (head_dim // 4) + 2 * (head_dim // value_group_size)
+    return batch * kv_heads * (windows + rows * per_row + key_meta) + 4 * batch
 
 
 def rotate_query(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,3 +170,66 @@ def test_int2_store_decodes_as_the_simulation():
     assert layer.store is not None
     lm = methods.layer_method("int2", 0, 3, 64)
     assert torch.allclose(torch.cat(outs, 2), simulated_attention(q, k, v, lm, 0.125, 4, 16, 16), atol=1e-4)
+
+
+def test_mixed_bundle_decodes_as_the_simulation(tmp_path):
+    """A bundle with keys per channel in layer 0 and per token in layer 1: greedy decoding through OscarCache
+    (torch reads) gives the logits, tokens and perplexity that simulate_int2 gives the same text teacher-forced.
+    Identity rotations and no means, so that the BF16 ring copy a leaving block is quantized from is the
+    simulation's BF16 token (with a rotation the store quantizes bf16((k − μ)·R), the simulation (k − μ)·R:
+    a code flips now and then, in per-token layers as in channel ones); the prefill attends in flight to float32
+    keys, the simulation to BF16 ones (4e-4)."""
+    import transformers as tf
+
+    from oscar_core.bundle import LayerQuant
+    from oscar_core.simulate import simulate_int2
+    from tiny_bundle import HEAD_DIM, KV_HEADS, LAYERS, write_tiny_bundle
+
+    write_tiny_bundle(tmp_path)
+    bundle = load_bundle(tmp_path)
+    bundle.manifest.quant.layers = [LayerQuant(layer=0, key_axis="channel"), LayerQuant(layer=1, key_axis="token")]
+    for i in range(LAYERS):
+        for side in ("key", "value"):
+            bundle.tensors[f"layers.{i}.{side}_rotation"] = torch.eye(HEAD_DIM).expand(KV_HEADS, -1, -1).contiguous()
+        bundle.tensors.pop(f"layers.{i}.value_mean")
+    config = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                            num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=128,
+                            max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    cache = OscarCache(bundle, "oscar", sink_tokens=4, recent_tokens=16)
+    with torch.no_grad():
+        logits = [model(ids, past_key_values=cache).logits[:, -1]]
+        tokens = [logits[-1].argmax(-1, keepdim=True)]
+        for _ in range(70):
+            logits.append(model(tokens[-1], past_key_values=cache).logits[:, -1])
+            tokens.append(logits[-1].argmax(-1, keepdim=True))
+        text = torch.cat([ids, *tokens], dim=1)
+        with simulate_int2(model, "oscar", bundle, sink_tokens=4, recent_tokens=16):
+            want = model(text[:, :-1]).logits[:, 9:]
+    got = torch.stack(logits, 1)
+    stores = [layer.store for layer in cache.layers]
+    assert [s.key_axis for s in stores] == ["channel", "token"] and cache.layers[0].key_store is None
+    assert stores[0].int2_tokens().tolist() == [56] and stores[1].int2_tokens().tolist() == [60]
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 2e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    nll = [torch.nn.functional.cross_entropy(x[0, :-1], text[0, 11:]) for x in (got, want)]
+    assert abs(float(nll[0] - nll[1])) < 1e-3
+
+
+def test_memory_plan_counts_channel_layers():
+    axes = ["channel", "token"]
+    plan = memory_plan(2, 3, 64, 4096, key_axes=axes)
+    assert plan["bytes_per_sequence"] == sum(kvstore.store_nbytes(1, 4096, 3, 64, key_axis=a) for a in axes)
+    assert plan["bytes_per_token"] == memory_plan(2, 3, 64, 4096)["bytes_per_token"]
+    layer = OscarLayer("oscar", 0, SimpleNamespace(
+        manifest=SimpleNamespace(quant=SimpleNamespace(key_group_size=64, value_group_size=64),
+                                 model=SimpleNamespace(num_kv_heads=3, head_dim=64)),
+        layer=lambda i, name: torch.ones(3) if name.endswith("clip") else None, key_axis=lambda i: "channel"),
+        sink=64, recent=256)
+    layer.update(*kv(1000))
+    cap = layer.sequences.capacity
+    assert layer.store.key_axis == "channel"
+    assert layer.nbytes() == kvstore.store_nbytes(1, cap, 3, 64, key_axis="channel") - 4

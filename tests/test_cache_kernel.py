@@ -41,8 +41,9 @@ def tiny_llama():
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
 
 
-def random_bundle(sink, recent):
-    """The fields of a rotation bundle that OscarCache reads: random rotations, means and clips."""
+def random_bundle(sink, recent, channel_layers=(), key_group=64):
+    """The fields of a rotation bundle that OscarCache reads: random rotations, means and clips; keys per channel
+    in `channel_layers`, per token elsewhere."""
     gen = torch.Generator().manual_seed(1)
     tensors = {}
     for i in range(LAYERS):
@@ -53,10 +54,10 @@ def random_bundle(sink, recent):
             tensors[f"layers.{i}.{side}_clip"] = torch.full((KV_HEADS,), clip)
     manifest = SimpleNamespace(
         name="random", model=SimpleNamespace(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),
-        quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=sink, recent_tokens=recent),
+        quant=SimpleNamespace(key_group_size=key_group, value_group_size=64, sink_tokens=sink, recent_tokens=recent),
         rotation=SimpleNamespace(layers=None))
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get(f"layers.{i}.{name}"),
-                           key_axis=lambda i: "token")
+                           key_axis=lambda i: "channel" if i in channel_layers else "token")
 
 
 @torch.no_grad()
@@ -260,6 +261,103 @@ def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     assert "head_dim 128" in write_problem(lm, 256)
     lm = methods.layer_method("int2", 0, 2, 192, None)
     assert "head_dim 64, 128 or 256" in kernel_problem(lm, 2, 192)
+
+
+def test_channel_key_write_kernels_match_reference():
+    """Keys per channel: leave_blocks + append_kv (Triton) against kvstore.append, through appends of up to W
+    tokens with left pads and decode steps across several block boundaries."""
+    gen = torch.Generator().manual_seed(10)
+    bsz, heads, d, s, w, g, gv = 3, 2, 64, 4, 8, 16, 32
+    layer = kvstore.LayerRotation(orthogonal(heads, d, gen), orthogonal(heads, d, gen), torch.tensor([0.96, 0.9]),
+                                  torch.tensor([0.92, 1.0]), torch.randn(heads, d, generator=gen),
+                                  torch.randn(heads, d, generator=gen))
+    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()}
+    kr = write.prepare_rotation(on["key_rotation"], on["key_mean"])
+    vr = write.prepare_rotation(on["value_rotation"], on["value_mean"])
+    ref = kvstore.empty_cache(bsz, heads, d, 90, g, gv, s, w, key_axis="channel")
+    got = kvstore.empty_cache(bsz, heads, d, 90, g, gv, s, w, device=DEVICE, key_axis="channel")
+
+    def append(n, starts=None):
+        k = (torch.randn(bsz, heads, n, d, generator=gen) * torch.linspace(0.3, 3, d)).bfloat16()
+        v = torch.randn(bsz, heads, n, d, generator=gen).bfloat16()
+        on_starts = None if starts is None else starts.to(DEVICE)
+        kvstore.advance(ref, n, starts)
+        kvstore.advance(got, n, on_starts)
+        kvstore.append(ref, k, v, layer, starts)
+        write.leave_blocks(got, on["key_clip"], on["value_clip"], n, on_starts)
+        write.append_kv(got, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"], on_starts,
+                        evict=False)
+
+    append(7, torch.tensor([0, 2, 6], dtype=torch.int32))
+    for _ in range(40):
+        append(1)
+    append(8, torch.tensor([0, 3, 0], dtype=torch.int32))
+    for _ in range(3):
+        append(1)
+    assert got.lengths.tolist() == ref.lengths.tolist() == [58, 53, 52]
+    assert ref.int2_tokens().tolist() == [32, 32, 32]
+    for name in ("key_sink", "value_sink", "key_recent", "value_recent"):
+        a, b = getattr(got, name).float().cpu(), getattr(ref, name).float()
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-3).all(), name
+    for side in ("key", "value"):
+        codes = [quant.unpack_int2(getattr(c, f"{side}_codes")).cpu().int() for c in (got, ref)]
+        assert (codes[0] == codes[1]).float().mean() > 0.98
+        assert (codes[0] - codes[1]).abs().max() <= 1
+        for name in ("scale", "zero"):
+            a, b = getattr(got, f"{side}_{name}").cpu().int(), getattr(ref, f"{side}_{name}").int()
+            assert (a == b).float().mean() > 0.97 and (a - b).abs().max() <= 1, (side, name)
+    with pytest.raises(ValueError, match="leave_blocks"):
+        write.append_kv(got, *[torch.zeros(bsz, heads, 9, d, device=DEVICE)] * 2, kr, vr, on["key_clip"],
+                        on["value_clip"], evict=False)
+
+
+def test_mixed_bundle_kernel_reads_match_torch_reads():
+    """Keys per channel in layer 0 (blocks of 64 tokens), per token in layer 1, a left-padded batch: written by
+    the Triton kernels (leave_blocks + append_kv on decode steps) and read by the decode kernel, against each
+    sequence alone through torch writes and reads, across a block boundary (L = 4 + 16 + 2·64 = 148)."""
+    model = tiny_llama()
+    bundle = random_bundle(4, 16, channel_layers=(0,))
+    ids = torch.randint(0, 256, (2, 140), generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = make_cache("oscar", bundle, True)
+    with oscar_attention(model, cache):
+        got = decode_logits(model, cache, ids, steps=8, mask=mask)
+    layer = cache.layers[0]
+    assert layer.store.key_axis == "channel" and layer.kernel_problem is None and layer.write is not None
+    assert layer.store.lengths.tolist() == [148, 143] and layer.store.int2_tokens().tolist() == [128, 64]
+    assert cache.layers[1].store.key_axis == "token"
+    for b, start in ((0, 0), (1, 5)):
+        alone = make_cache("oscar", bundle, False)
+        want = decode_logits(model, alone, ids[b:b + 1, start:], steps=8)
+        err = (got[b] - want[0]).norm(dim=-1) / want[0].norm(dim=-1)
+        assert err.max() < 3e-2, (b, err)
+        ref = alone.layers[0].store
+        for name in ("key_codes", "key_scale", "key_zero", "value_codes"):
+            a, r = getattr(layer.store, name)[b:b + 1], getattr(ref, name)
+            rows = min(a.shape[2], r.shape[2])
+            assert (a[:, :, :rows] == r[:, :, :rows]).float().mean() > 0.98, name
+
+
+def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
+    """Key blocks of 32 tokens: the decode kernel refuses them (one ValueError from check_shape, before any
+    launch), so the layer reads in torch with one warning; its Triton writes still match the torch ones."""
+    from oscar_core import methods
+    from oscar_core.cache import kernel_problem
+
+    model = tiny_llama()
+    bundle = random_bundle(4, 16, channel_layers=(0, 1), key_group=32)
+    lm = methods.layer_method("oscar", 0, KV_HEADS, HEAD_DIM, bundle)
+    assert "key blocks of 64, 128 or 256 tokens" in kernel_problem(lm, KV_HEADS, HEAD_DIM, HEADS)
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    want = decode_logits(model, make_cache("oscar", bundle, False), ids, steps=3)
+    cache = make_cache("oscar", bundle, True)
+    with oscar_attention(model, cache), pytest.warns(UserWarning, match="torch reads"):
+        got = decode_logits(model, cache, ids, steps=3)
+    assert cache.layers[0].write is not None and not cache.reads_by_kernel()
+    assert cache.layers[0].store.int2_tokens().tolist() == [32]
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err.max() < 3e-2, err
 
 
 def test_kernel_reads_beside_sliding_rings():

@@ -116,10 +116,10 @@ def test_clip_objective_label_keeps_the_schema_default():
 def test_default_key_clip_floor_is_recorded():
     """The default keeps key clips at or above 0.8 (the 8K needle fix) and says so in the manifest string."""
     opts = DeriveOptions()
-    assert opts.key_clip_objective == "logit" and opts.key_clip_floor == 0.8
+    assert opts.key_clip_objective == "output" and opts.key_clip_floor == 0.8
     assert min(key_clip_grid(opts)) == 0.8 and max(key_clip_grid(opts)) == 1.0
     assert clip_objective_label(opts.key_clip_objective, opts.key_clip_floor) == \
-        "keys: attention-logit error (key clip >= 0.8); values: attention-output error"
+        "keys: attention-output error (exact values) (key clip >= 0.8); values: attention-output error"
     stats = stats_of_probe(1, outlier=0.0, d=64)  # Gaussian keys in groups of 64: the unfloored search clips hard
     from oscar_core.derive import derive_layer
     layer, _ = derive_layer(stats, 0, DeriveOptions(sink_tokens=8))

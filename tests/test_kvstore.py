@@ -121,3 +121,101 @@ def test_append_token_matches_prefill():
     same = quant.unpack_int2(grown.key_codes[:, :, :rows]) == quant.unpack_int2(full.key_codes[:, :, :rows])
     assert same.float().mean() > 0.95
     assert (grown.value_scale[:, :, :rows] == full.value_scale[:, :, :rows]).float().mean() > 0.95
+
+
+def channel_sides(layer, key_group, value_group):
+    """The methods.Sides of a layer whose keys are quantized per channel over blocks of key_group tokens."""
+    from oscar_core import methods
+
+    return (methods.Side(key_group, "channel", layer.key_rotation, layer.key_mean, layer.key_clip),
+            methods.Side(value_group, "token", layer.value_rotation, layer.value_mean, layer.value_clip))
+
+
+def cache_view(x, side, block, s, w):
+    """x [H_kv, n, d] as a cache reads it for the query at position n − 1 (simulate's rule)."""
+    from oscar_core import methods
+
+    n = x.shape[1]
+    int2 = methods.int2_mask(torch.tensor([n - 1]), n, side, s, w, block)[0][:, None]
+    return torch.where(int2, torch.cat([x[:, :s], methods.fake(side, x[:, s:])], dim=1), x)
+
+
+def unrotate(y, rotation, mean):
+    x = torch.einsum("hte,hde->htd", y, rotation)
+    return x if mean is None else x + mean[:, None]
+
+
+def test_channel_keys_prefill_reads_as_methods():
+    """Prefill of a ragged batch: whole key blocks past the window are methods.encode's per-channel groups."""
+    gen = torch.Generator().manual_seed(11)
+    kv_heads, d, g, s, w = 2, 64, 8, 4, 16
+    layer = make_layer(kv_heads, d, gen)
+    ks, vs = channel_sides(layer, g, 64)
+    lengths = [100, 3, 20, 21, 28, 29, 45]
+    keys = torch.randn(len(lengths), 100, kv_heads, d, generator=gen).bfloat16()
+    values = torch.randn(len(lengths), 100, kv_heads, d, generator=gen).bfloat16()
+    cache = kvstore.empty_cache(len(lengths), kv_heads, d, 100, g, 64, s, w, key_axis="channel")
+    assert cache.key_recent.shape[2] == w + g and cache.key_scale.shape[2:] == (cache.key_codes.shape[2] // g, d)
+    kvstore.prefill(cache, keys, values, torch.tensor(lengths), layer)
+    assert cache.int2_tokens().tolist() == [80, 0, 0, 0, 8, 8, 24]
+    for b, n in enumerate(lengths):
+        k, v = kvstore.sequence_kv(cache, b)
+        got_k = unrotate(k, layer.key_rotation, layer.key_mean)
+        got_v = unrotate(v, layer.value_rotation, layer.value_mean)
+        for got, x, side in ((got_k, keys[b, :n], ks), (got_v, values[b, :n], vs)):
+            want = cache_view(x.transpose(0, 1).float(), side, g, s, w)
+            # INT2 rows quantize the float32 rotation (as methods does); windows hold it rounded to bf16.
+            assert torch.isclose(got, want, atol=3e-2).all()
+            int2 = slice(s, s + int(cache.int2_tokens()[b]))
+            assert torch.isclose(got[:, int2], want[:, int2], atol=1e-4).float().mean(dim=(0, 2)).min(0).values > 0.99 \
+                if int2.stop > s else True
+
+
+def test_channel_keys_append_reads_as_simulation():
+    """Token-by-token and chunked appends with left pads across several block boundaries: after every append
+    each sequence reads what simulate gives its last position (identity rotation, so the BF16 ring copy that
+    a leaving block is quantized from is the token itself), and the reference attention is the simulation's."""
+    from oscar_core import methods
+    from oscar_core.simulate import simulated_attention
+
+    gen = torch.Generator().manual_seed(12)
+    bsz, kv_heads, heads, d, g, s, w = 3, 2, 4, 64, 8, 4, 16
+    eye = torch.eye(d).expand(kv_heads, d, d)
+    layer = kvstore.LayerRotation(eye, eye, torch.tensor([0.96, 0.9]), torch.tensor([0.92, 1.0]))
+    ks, vs = channel_sides(layer, g, 32)
+    lm = methods.LayerMethod(ks, vs)
+    cache = kvstore.empty_cache(bsz, kv_heads, d, 120, g, 32, s, w, key_axis="channel")
+    seqs = [torch.zeros(2, kv_heads, 0, d) for _ in range(bsz)]
+    q = torch.randn(bsz, heads, d, generator=gen)
+
+    def append(n, starts=None):
+        k = (torch.randn(bsz, kv_heads, n, d, generator=gen) * 2).bfloat16()
+        v = torch.randn(bsz, kv_heads, n, d, generator=gen).bfloat16()
+        kvstore.advance(cache, n, starts)
+        kvstore.append(cache, k, v, layer, starts)
+        for b in range(bsz):
+            st = 0 if starts is None else int(starts[b])
+            seqs[b] = torch.cat([seqs[b], torch.stack([k[b, :, st:], v[b, :, st:]]).float()], dim=2)
+        ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, None, 0.125)
+        for b in range(bsz):
+            x = seqs[b]
+            assert int(cache.lengths[b]) == x.shape[2]
+            k_got, v_got = kvstore.sequence_kv(cache, b)
+            assert torch.allclose(k_got, cache_view(x[0], ks, g, s, w), atol=1e-5)
+            assert torch.allclose(v_got, cache_view(x[1], vs, g, s, w), atol=1e-5)
+            sim = simulated_attention(q[b, :, None][None], x[0][None], x[1][None], lm, 0.125, s, w)
+            assert torch.allclose(ref[b], sim[0, :, 0], atol=1e-5)
+
+    append(13, torch.tensor([0, 4, 12], dtype=torch.int32))
+    for _ in range(30):
+        append(1)
+    append(21, torch.tensor([0, 3, 0], dtype=torch.int32))   # longer than the window: blocks straight to INT2
+    append(5)
+    assert cache.lengths.tolist() == [69, 62, 57] and cache.int2_tokens().tolist() == [48, 40, 32]
+
+
+def test_channel_keys_store_bytes():
+    cache = kvstore.empty_cache(2, 3, 64, 500, 64, 64, 64, 256, key_axis="channel")
+    held = sum(t.untyped_storage().nbytes() for t in vars(cache).values() if isinstance(t, torch.Tensor))
+    assert held == kvstore.store_nbytes(2, 500, 3, 64, 64, 64, 64, 256, key_axis="channel")
+    assert cache.recent_tokens == 256 and cache.ring_slots == 320 and cache.key_codes.shape[2] % 64 == 0

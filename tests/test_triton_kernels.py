@@ -215,3 +215,50 @@ def test_plan_splits_fills_the_machine():
     chunk, splits = decode.plan_splits(batch=32, kv_heads=8, max_int2=99_680, block_n=64, num_sms=132, waves=16,
                                        min_chunk=512)
     assert splits == 8 and chunk * splits >= 99_680
+
+
+def build_channel(gen, lengths, heads, kv_heads, d, key_group, value_group, sink=16, recent=32):
+    """A prefilled store whose keys are quantized per channel over blocks of key_group tokens."""
+    bsz, longest = len(lengths), max(lengths)
+    mk, mv = torch.randn(kv_heads, d, generator=gen), torch.randn(kv_heads, d, generator=gen)
+    layer = kvstore.LayerRotation(orthogonal(kv_heads, d, gen), orthogonal(kv_heads, d, gen),
+                                  torch.full((kv_heads,), 0.96), torch.full((kv_heads,), 0.92), mk, mv)
+    # Keys with a per-channel spread (what makes channel groups pay off), values centred by their mean.
+    keys = (torch.randn(bsz, longest, kv_heads, d, generator=gen) * torch.linspace(0.2, 4, d) + mk).bfloat16()
+    values = (torch.randn(bsz, longest, kv_heads, d, generator=gen) + mv).bfloat16()
+    cache = kvstore.empty_cache(bsz, kv_heads, d, longest + 8, key_group, value_group, sink, recent,
+                                key_axis="channel")
+    kvstore.prefill(cache, keys, values, torch.tensor(lengths), layer)
+    return cache, layer, torch.randn(bsz, heads, d, generator=gen)
+
+
+@pytest.mark.parametrize("d,heads,kv_heads,key_group,value_group,lengths,block_n,key_t,fused", [
+    (64, 2, 2, 64, 64, [300, 1, 112, 113], 64, True, False),          # one query head per KV head
+    (128, 8, 2, 64, 64, [400, 47, 176], 32, False, False),            # a tile sees half a block
+    (128, 8, 1, 64, 128, [260, 130], 256, False, True),               # fused, tiles capped at the block
+    (128, 10, 2, 128, 64, [420, 90], 256, True, False),               # blocks of 128 tokens, 5 heads a KV head
+    (64, 16, 2, 64, 64, [333, 200], 64, False, False),                # 8 heads a KV head
+    (128, 8, 2, 128, 128, [330, 200], 64, True, False),               # a 64-token tile sees half a 128-block
+    (256, 4, 1, 64, 64, [260, 30], 64, True, False),
+])
+def test_decode_kernel_channel_keys_match_reference(d, heads, kv_heads, key_group, value_group, lengths, block_n,
+                                                    key_t, fused):
+    gen = torch.Generator().manual_seed(d + heads + len(lengths))
+    cache, layer, q = build_channel(gen, lengths, heads, kv_heads, d, key_group, value_group)
+    assert cache.int2_tokens().max() >= 2 * key_group
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
+                                             d ** -0.5)
+    out = decode.decode_attention(q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE),
+                                  layer.value_rotation.to(DEVICE), layer.value_mean.to(DEVICE), d ** -0.5,
+                                  block_n=block_n, key_t=key_t, fused=fused)
+    err = relative_errors(out, ref)
+    assert err.max() < 1e-2, err
+
+
+def test_decode_kernel_channel_keys_refuse_before_launch():
+    gen = torch.Generator().manual_seed(5)
+    cache, layer, q = build_channel(gen, [100], 4, 1, 64, 64, 64)
+    with pytest.raises(ValueError, match="key blocks of 64, 128 or 256"):
+        decode.check_shape(4, 1, 128, 32, 64, "channel")
+    with pytest.raises(ValueError, match="Gluon"):
+        decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, None, 0.125, gluon=True)

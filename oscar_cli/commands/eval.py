@@ -15,6 +15,7 @@ from oscar_core.errors import OscarError
 from oscar_core.evaluate import DEPTHS, EvalRequest, check_request, evaluate
 from oscar_core.fileio import atomic_write_bytes
 from oscar_core.models import load_model, resolve_device
+from oscar_core.verify import resolve_model_spec
 
 EXAMPLES = """
 Examples:
@@ -27,8 +28,8 @@ Examples:
 
 def eval_command(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory (<zoo>/<org>/<model>/<version>).")],
-    model: Annotated[Optional[str], typer.Option(help="Hub id, directory or .gguf; default: the embedded SmolLM2-135M.")] = None,
-    data: Annotated[str, typer.Option(help="Held-out text source (default: Python's idlelib docs).")] = DEFAULT_HELDOUT,
+    model: Annotated[Optional[str], typer.Option(help="Hub id, directory, .gguf or packaged:<name>; default: the one the bundle's manifest names.")] = None,
+    data: Annotated[str, typer.Option(help="Held-out text source (default: IDLE's docs, shipped with oscar).")] = DEFAULT_HELDOUT,
     context: Annotated[Optional[list[int]], typer.Option(help="Context length; repeat for several.")] = None,
     methods_: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of {','.join(methods.METHODS)}.")] = ",".join(methods.METHODS),
     samples: Annotated[int, typer.Option(help="Perplexity windows per context length.")] = 2,
@@ -48,7 +49,8 @@ def eval_command(
                       data=data, samples=samples, depths=depth_list, needle_trials=needle_trials, seed=seed)
     b = load_bundle(bundle)
     check_request(req, b)
-    loaded = load_model(model, resolve_device(device))
+    m = b.manifest
+    loaded = load_model(resolve_model_spec(model, m.model, m.calibration.model_source), resolve_device(device))
     with err_console.status("evaluating") as status:
         report = evaluate(loaded, b, req, on_step=lambda s: status.update(s))
     console.print(table(report))

@@ -29,6 +29,13 @@ the products add back exactly (per tile, so no offset builds up over a chunk).
 The groups of a head are stacked as extra rows (row = g·HGP + r): key rows carry the query restricted
 to group g, value rows carry a = p·step_g; the rows of each group are summed (keys) or the columns
 of group g picked (values) afterwards.
+
+Keys per channel (a store with key_axis "channel", blocks of G tokens; Triton programs only): every tile
+lies inside one block (BLOCK_N ≤ G), whose step_c and z_c hold for all its tokens, so
+  q̃·k̂_t = Σ_c (q̃_c·step_c)·code[t, c] + Σ_c q̃_c·step_c·z_c/4
+the products run on the query scaled once a tile and the zero codes add one offset a row
+(_channel_scores). The sink and ring programs read the ring of W + G slots from the first BF16 position
+S + n_int2 on, n_int2 = ⌊(L − S − W)/G⌋·G.
 """
 
 import contextlib
@@ -132,22 +139,33 @@ def _query(q_ptr, rk_ptr, rows, cols, mask, h, D: tl.constexpr, ROTATE: tl.const
 @triton.jit
 def _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, h, length, q_row0,
                  scale_log2, slot, wid, HG: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
-                 QP: tl.constexpr, BLOCK_W: tl.constexpr, ROTATE: tl.constexpr, F32: tl.constexpr):
-    """Attention over window tokens [wid·BLOCK_W, (wid+1)·BLOCK_W) of the BF16 sink + recent windows."""
+                 QP: tl.constexpr, BLOCK_W: tl.constexpr, ROTATE: tl.constexpr, F32: tl.constexpr,
+                 TB: tl.constexpr, R: tl.constexpr):
+    """Attention over window tokens [wid·BLOCK_W, (wid+1)·BLOCK_W) of the BF16 sink + recent windows.
+    TB > 1 (keys per channel, blocks of TB tokens): the ring of R slots holds positions S + n_int2 .. L − 1,
+    window token n_sink + i in slot (n_int2 + i) mod R."""
     r = tl.arange(0, QP)
     c = tl.arange(0, D)
     n_sink = tl.minimum(length, S)
-    n_win = n_sink + tl.minimum(tl.maximum(length - S, 0), W)
+    if TB > 1:
+        n_int2 = tl.maximum(length - S - W, 0) // TB * TB
+        n_win = n_sink + tl.maximum(length - S, 0) - n_int2
+    else:
+        n_win = n_sink + tl.minimum(tl.maximum(length - S, 0), W)
     rows = slot * HG + r
     if wid * BLOCK_W < n_win:
         q = _query(q_ptr, rk_ptr, q_row0 + tl.where(r < HG, r, 0), c, (r < HG)[:, None], h, D, ROTATE, F32)
         sink0 = bh.to(tl.int64) * S * D
-        ring0 = bh.to(tl.int64) * W * D
         n = wid * BLOCK_W + tl.arange(0, BLOCK_W)
         valid = n < n_win
         in_sink = (n < n_sink)[:, None]
         off_s = sink0 + n[:, None] * D + c[None, :]
-        off_r = ring0 + (n - n_sink)[:, None] * D + c[None, :]
+        if TB > 1:
+            ring0 = bh.to(tl.int64) * R * D
+            off_r = ring0 + ((tl.maximum(n - n_sink, 0) + n_int2) % R)[:, None] * D + c[None, :]
+        else:
+            ring0 = bh.to(tl.int64) * W * D
+            off_r = ring0 + (n - n_sink)[:, None] * D + c[None, :]
         k = tl.load(tl.where(in_sink, ks_ptr + off_s, kr_ptr + off_r), mask=valid[:, None], other=0.0)
         v = tl.load(tl.where(in_sink, vs_ptr + off_s, vr_ptr + off_r), mask=valid[:, None], other=0.0)
         x = dot(q, tl.trans(k), None, F32) * scale_log2
@@ -167,13 +185,69 @@ def _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, 
 
 
 @triton.jit
+def _operand(x, F32: tl.constexpr):
+    """x as a bf16 product operand; with F32 (the CPU interpreter, whose float32 -> bf16 conversion truncates:
+    a bias the GPU's rounding to nearest has not) left in float32."""
+    if F32:
+        return x
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _channel_scores(q0, q1, q2, q3, u0, u1, u2, u3, ksc_ptr, kz_ptr, meta, j, log2_scale, MK: tl.constexpr,
+                    NGK: tl.constexpr, HGP: tl.constexpr, BLOCK_N: tl.constexpr, KEY_T: tl.constexpr,
+                    F32: tl.constexpr):
+    """Scores of a tile inside one key block of keys per channel (scale / zero codes at meta + c):
+        x[r, t] = scaling·log2(e)·Σ_c q̃[r, c]·step_c·(code[t, c] + z_c/4)
+    The step and the score scale fold into the query operands, h_i = bf16(q_i·step) (q_i = q̃/m_i as in
+    _int2_part), and the zero codes into one offset a row, Σ_c m_i·h_i·z_c/4, over the same bf16 h_i
+    (so the two terms of a channel's common offset cancel as they do in k̂); the accumulator starts at
+    that offset less 128·Σ h_i, which the unpacked codes (128 + m_i·code) add back. [HGP, BLOCK_N], or
+    [BLOCK_N, HGP] with KEY_T."""
+    st0 = tl.exp2((tl.load(ksc_ptr + meta + 4 * j).to(tl.float32) - 128.0) * 0.125 + log2_scale)
+    st1 = tl.exp2((tl.load(ksc_ptr + meta + 4 * j + 1).to(tl.float32) - 128.0) * 0.125 + log2_scale)
+    st2 = tl.exp2((tl.load(ksc_ptr + meta + 4 * j + 2).to(tl.float32) - 128.0) * 0.125 + log2_scale)
+    st3 = tl.exp2((tl.load(ksc_ptr + meta + 4 * j + 3).to(tl.float32) - 128.0) * 0.125 + log2_scale)
+    h0 = _operand(q0.to(tl.float32) * st0[None, :], F32)
+    h1 = _operand(q1.to(tl.float32) * st1[None, :], F32)
+    h2 = _operand(q2.to(tl.float32) * st2[None, :], F32)
+    h3 = _operand(q3.to(tl.float32) * st3[None, :], F32)
+    # m_i·z/4 − 128 a channel: the zero term and the unpack's 128, in one sum a row.
+    z0 = tl.load(kz_ptr + meta + 4 * j).to(tl.float32) * 0.25 - 128.0
+    z1 = tl.load(kz_ptr + meta + 4 * j + 1).to(tl.float32) - 128.0
+    z2 = tl.load(kz_ptr + meta + 4 * j + 2).to(tl.float32) * 4.0 - 128.0
+    z3 = tl.load(kz_ptr + meta + 4 * j + 3).to(tl.float32) * 4.0 - 128.0
+    off = tl.sum(h0.to(tl.float32) * z0[None, :], axis=1)
+    off += tl.sum(h1.to(tl.float32) * z1[None, :], axis=1)
+    off += tl.sum(h2.to(tl.float32) * z2[None, :], axis=1)
+    off += tl.sum(h3.to(tl.float32) * z3[None, :], axis=1)
+    if KEY_T:
+        s = tl.zeros([BLOCK_N, MK], tl.float32) + off[None, :]
+        s = dot(u0, tl.trans(h0), s, F32)
+        s = dot(u1, tl.trans(h1), s, F32)
+        s = dot(u2, tl.trans(h2), s, F32)
+        s = dot(u3, tl.trans(h3), s, F32)
+        x = tl.sum(tl.reshape(s, [BLOCK_N, NGK, HGP]), axis=1)
+    else:
+        s = tl.zeros([MK, BLOCK_N], tl.float32) + off[:, None]
+        s = dot(h0, tl.trans(u0), s, F32)
+        s = dot(h1, tl.trans(u1), s, F32)
+        s = dot(h2, tl.trans(u2), s, F32)
+        s = dot(h3, tl.trans(u3), s, F32)
+        x = tl.sum(tl.reshape(s, [NGK, HGP, BLOCK_N]), axis=0)
+    return x
+
+
+@triton.jit
 def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
                bh, h, start, end, q_row0, log2_scale, T, slot,
                HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HGP: tl.constexpr,
                BLOCK_N: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr, ROTATE: tl.constexpr,
-               F32: tl.constexpr):
+               F32: tl.constexpr, TB: tl.constexpr):
     """Attention over INT2 rows [start, end) of one sequence and KV head. KEY_T computes the score tile
-    transposed (tokens as rows); both orders give the same function."""
+    transposed (tokens as rows); both orders give the same function. TB > 1: keys per channel over blocks
+    of TB tokens (scale / zero codes [T/TB, D]), each tile inside one block (BLOCK_N divides TB), scored by
+    _channel_scores; GK then only stacks the query's channels as rows."""
     NGK: tl.constexpr = D // GK
     NGV: tl.constexpr = D // GV
     MK: tl.constexpr = NGK * HGP
@@ -218,33 +292,43 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
         valid = n < end
         kp = tl.load(kc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
         u0, u1, u2, u3 = _unpack_raw(kp, USE_ASM)
+        if TB > 1:
+            meta = bh.to(tl.int64) * (T // TB) * D + (t0 // TB) * D
         if KEY_T:
-            # Scores transposed, [tokens, (g, r)]: the unpacked codes are the register operand
-            # (M = BLOCK_N, so Hopper's wgmma), the query the shared one.
-            s = dot(u0, q0t, s_init, F32)
-            s = dot(u1, q1t, s, F32)
-            s = dot(u2, q2t, s, F32)
-            s = dot(u3, q3t, s, F32)
-            ksc = tl.load(ksc_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
-            kz = tl.load(kz_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
-            kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, :, None]
-            s3 = tl.reshape(s, [BLOCK_N, NGK, HGP])
-            x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, :, None] * q_sum_t), axis=1)
+            if TB > 1:
+                x = _channel_scores(q0, q1, q2, q3, u0, u1, u2, u3, ksc_ptr, kz_ptr, meta, j, log2_scale,
+                                    MK, NGK, HGP, BLOCK_N, True, F32)
+            else:
+                # Scores transposed, [tokens, (g, r)]: the unpacked codes are the register operand
+                # (M = BLOCK_N, so Hopper's wgmma), the query the shared one.
+                s = dot(u0, q0t, s_init, F32)
+                s = dot(u1, q1t, s, F32)
+                s = dot(u2, q2t, s, F32)
+                s = dot(u3, q3t, s, F32)
+                ksc = tl.load(ksc_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
+                kz = tl.load(kz_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
+                kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, :, None]
+                s3 = tl.reshape(s, [BLOCK_N, NGK, HGP])
+                x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, :, None] * q_sum_t), axis=1)
             x = tl.where(valid[:, None], x, float("-inf"))
             m_new = tl.maximum(m, tl.max(x, axis=0))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(x - m_new[None, :])
             l = l * alpha + tl.sum(p, axis=0)
         else:
-            s = dot(q0, tl.trans(u0), s_init, F32)
-            s = dot(q1, tl.trans(u1), s, F32)
-            s = dot(q2, tl.trans(u2), s, F32)
-            s = dot(q3, tl.trans(u3), s, F32)
-            ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
-            kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
-            kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
-            s3 = tl.reshape(s, [NGK, HGP, BLOCK_N])
-            x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum), axis=0)
+            if TB > 1:
+                x = _channel_scores(q0, q1, q2, q3, u0, u1, u2, u3, ksc_ptr, kz_ptr, meta, j, log2_scale,
+                                    MK, NGK, HGP, BLOCK_N, False, F32)
+            else:
+                s = dot(q0, tl.trans(u0), s_init, F32)
+                s = dot(q1, tl.trans(u1), s, F32)
+                s = dot(q2, tl.trans(u2), s, F32)
+                s = dot(q3, tl.trans(u3), s, F32)
+                ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+                kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+                kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
+                s3 = tl.reshape(s, [NGK, HGP, BLOCK_N])
+                x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum), axis=0)
             x = tl.where(valid[None, :], x, float("-inf"))
             m_new = tl.maximum(m, tl.max(x, axis=1))
             alpha = tl.exp2(m - m_new)
@@ -342,9 +426,10 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
                   USE_ASM: tl.constexpr, ROTATE: tl.constexpr, MERGE: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  F32: tl.constexpr):
+                  F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr):
     """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
-    finish merges (else _reduce_kernel does, in a launch of its own)."""
+    finish merges (else _reduce_kernel does, in a launch of its own). TB > 1: keys per channel over blocks
+    of TB tokens, a ring of R slots (kvstore.Int2KVCache)."""
     sid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -354,10 +439,12 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
     slot = bh * NS + sid
     if sid < NW:
         _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, h, length, q_row0,
-                     scale_log2, slot, sid, HG, D, S, W, QP, BLOCK_W, ROTATE, F32)
+                     scale_log2, slot, sid, HG, D, S, W, QP, BLOCK_W, ROTATE, F32, TB, R)
     else:
         # This sequence's INT2 rows over the n_int2_splits programs: chunks of whole tiles, at least min_chunk.
         n_int2 = tl.maximum(length - S - W, 0)
+        if TB > 1:
+            n_int2 = n_int2 // TB * TB
         chunk = tl.maximum(tl.cdiv(n_int2, n_int2_splits), min_chunk)
         chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
         start = (sid - NW) * chunk
@@ -365,7 +452,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
         if start < end:
             _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
                        bh, h, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, KEY_T,
-                       USE_ASM, ROTATE, F32)
+                       USE_ASM, ROTATE, F32, TB)
         else:
             r = tl.arange(0, HGP)
             tl.store(pm_ptr + slot * HG + r, tl.full([HGP], -1e30, tl.float32), mask=r < HG)
@@ -532,11 +619,17 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return have
 
 
-def check_shape(heads: int, kv_heads: int, head_dim: int, key_group_size: int, value_group_size: int) -> None:
-    """Raise ValueError unless decode_attention supports this attention shape."""
+def check_shape(heads: int, kv_heads: int, head_dim: int, key_group_size: int, value_group_size: int,
+                key_axis: str = "token") -> None:
+    """Raise ValueError unless decode_attention supports this attention shape (key_axis "channel": keys per
+    channel over blocks of key_group_size tokens)."""
     if head_dim not in (64, 128, 256):
         raise ValueError(f"decode_attention supports head_dim 64, 128 or 256, not {head_dim}")
-    for name, g in (("key", key_group_size), ("value", value_group_size)):
+    if key_axis == "channel" and key_group_size not in (64, 128, 256):
+        raise ValueError(f"decode_attention needs key blocks of 64, 128 or 256 tokens for keys per channel, "
+                         f"not {key_group_size}")
+    groups = (("value", value_group_size),) if key_axis == "channel" else ()
+    for name, g in groups or (("key", key_group_size), ("value", value_group_size)):
         if g not in (64, 128, 256) or g > head_dim:
             raise ValueError(f"decode_attention needs a {name} group size of 64, 128 or 256 channels within "
                              f"head_dim {head_dim}, not {g}")
@@ -552,7 +645,7 @@ def gluon_supported(q: torch.Tensor, cache: Int2KVCache) -> bool:
     blocks of INT2 rows (kvstore.int2_rows allocates them so)."""
     if not q.is_cuda or _gluon() is None or _capability(q.device)[0] < 8:
         return False
-    return (q.shape[-1] == 128 and cache.key_group_size == cache.value_group_size == 64
+    return (q.shape[-1] == 128 and cache.key_axis == "token" and cache.key_group_size == cache.value_group_size == 64
             and q.shape[1] // cache.key_codes.shape[1] <= 4 and cache.key_codes.shape[2] % 64 == 0)
 
 
@@ -619,12 +712,17 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs or 16K INT2 rows;
     True to require them (ValueError where they cannot).
     Every sequence needs at least one token. The cache tensors must be contiguous.
+    A store with keys per channel (cache.key_axis "channel") is read by the Triton programs only (no Gluon),
+    in tiles of at most its key block (block_n ≤ G), its scales folded into the query per tile.
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
     gk, gv = cache.key_group_size, cache.value_group_size
-    check_shape(heads, kv_heads, d, gk, gv)
+    tb = cache.token_block
+    check_shape(heads, kv_heads, d, gk, gv, cache.key_axis)
+    if tb > 1:
+        gk = 64         # keys per channel: the query's channels stacked as rows in groups of 64 (_channel_scores)
     if use_asm is None:
         use_asm = q.is_cuda
     if max_length is None:
@@ -636,12 +734,14 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 16384)
     elif gluon and (fused or not gluon_supported(q, cache)):
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 128, groups of 64, "
-                         "at most 4 query heads per KV head, whole 64-row INT2 blocks, and fused=False")
+                         "at most 4 query heads per KV head, whole 64-row INT2 blocks, keys per token and fused=False")
     cfg = default_config(bsz, kv_heads, d, gluon)
     block_n = 64 if gluon else block_n or cfg["block_n"]
+    if tb > 1:
+        block_n = min(block_n, tb)      # every tile inside one key block
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
-    nw = -(-(cache.sink_tokens + cache.recent_tokens) // block_w)
+    nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
     if gluon:
         consts = dict(HKV=kv_heads, HG=hg, R4=4, S=cache.sink_tokens, W=cache.recent_tokens, NW=nw, BLOCK_N=64,
                       STAGES=_gluon().STAGES)
@@ -686,7 +786,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
             HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
             QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16), KEY_T=key_t,
             USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
-            num_warps=num_warps, num_stages=num_stages)
+            TB=tb, R=cache.ring_slots if tb > 1 else 1, num_warps=num_warps, num_stages=num_stages)
     if gluon:
         _gluon()._int2_split_kernel[(max(n_int2, 1), bsz * kv_heads)](
             *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), max(n_int2, 1), cfg["min_chunk"], ns),

@@ -17,6 +17,17 @@ ring, p − W, when it was stored there before this append (S ≤ p − W < L_b 
 same slot first and quantized (it is already rotated) into INT2 row p − W − S. A decode step (n = 1)
 is one launch for the whole batch; an append longer than W to a non-empty store runs in launches of
 W tokens, so that no program reads a ring slot that another program of the same launch rewrites.
+
+Keys per channel (kvstore's key_axis "channel", a ring of R = W + G slots): an append of n ≤ W tokens is
+two launches. leave_blocks first quantizes the blocks whose last token the append pushes out of the W
+window (at most ⌈n/G⌉ a sequence; a decode step, one every G steps, and its programs exit at once
+otherwise): program (k, b·H_kv + h, side) reads the G ring rows of the k-th such block of sequence b,
+keys per channel (_quantize_columns: the arithmetic of quant.quantize down each column of the [G, d]
+tile) and values per token (_quantize), into their INT2 rows. A Triton kernel rather than torch on the
+device: which sequence has a block to move depends on its length, which only the device holds, so one
+launch with no host read decides it per program and a decode step stays capturable in a CUDA graph.
+Then append_kv writes the new tokens to their sink row or ring slot (p − S) mod R, with no eviction (a
+block's slots are not reused before it has left). Appends longer than W are the torch reference's.
 """
 
 import functools
@@ -135,8 +146,9 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
                  tile, h, rows, n, t0, piece, T,
                  H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  BT: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_START: tl.constexpr, EVICT: tl.constexpr,
-                 DIRECT: tl.constexpr, X_SPLIT: tl.constexpr, F32: tl.constexpr):
-    """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h (module docstring)."""
+                 DIRECT: tl.constexpr, X_SPLIT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr):
+    """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h (module docstring);
+    R ring slots (W, or W + G for keys per channel)."""
     NG: tl.constexpr = D // G
     c = tl.arange(0, D)
     r = tile * BT + tl.arange(0, BT)
@@ -158,8 +170,8 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     if HAS_MEAN:
         y -= tl.load(mr_ptr + h * D + c)[None, :]
     clip = tl.load(clip_ptr + h)
-    slot = (pos - S) % W
-    ring = ring_ptr + (bh * W + slot)[:, None] * D + c[None, :]
+    slot = (pos - S) % R
+    ring = ring_ptr + (bh * R + slot)[:, None] * D + c[None, :]
     if EVICT:
         gone = pos - W
         evict = valid & (gone >= S) & (gone < length - n + first)
@@ -187,7 +199,7 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                    H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                    W: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr, V_MEAN: tl.constexpr,
                    HAS_START: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr, X_SPLIT: tl.constexpr,
-                   F32: tl.constexpr):
+                   F32: tl.constexpr, R: tl.constexpr):
     """Grid (P, H_kv, 2): program (p, h, side) appends row tiles p, p + P, ... of one side."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -196,12 +208,12 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
             _append_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr,
                          ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, start_ptr,
                          tile, h, rows, n, t0, piece, T, H, D, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT,
-                         X_SPLIT, F32)
+                         X_SPLIT, F32, R)
         else:
             _append_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                          vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, start_ptr,
                          tile, h, rows, n, t0, piece, T, H, D, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT,
-                         X_SPLIT, F32)
+                         X_SPLIT, F32, R)
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,8 +263,11 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
     layout attention layers produce) into the Int2KVCache `cache`, whose lengths already count them.
 
     key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]; starts int32 [B] (leading
-    pads) or None; evict=False promises an empty store before this append (a prefill: no ring reads)."""
+    pads) or None; evict=False promises an empty store before this append (a prefill: no ring reads).
+    Keys per channel: n ≤ W and evict=False, after leave_blocks (module docstring)."""
     bsz, heads, n, d = keys.shape
+    if cache.key_axis == "channel" and (evict or n > cache.recent_tokens):
+        raise ValueError("append_kv writes keys per channel only after leave_blocks: evict=False, n ≤ W")
     s, w = cache.sink_tokens, cache.recent_tokens
     rows_cap = cache.key_codes.shape[2]
     piece = w if evict and n > w else n
@@ -272,5 +287,85 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
             cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles,
             H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
             K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
-            DIRECT=n > w, X_SPLIT=keys.dtype != torch.bfloat16, F32=not keys.is_cuda,
+            DIRECT=n > w, X_SPLIT=keys.dtype != torch.bfloat16, F32=not keys.is_cuda, R=cache.ring_slots,
             num_warps=4 if bt <= 64 else 8)
+
+
+@triton.jit
+def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr):
+    """quant.quantize down each column of y [BT, D] float32 (one group of BT tokens a channel), codes packed
+    along the channels: (bytes uint8 [BT, D/4], scale codes uint8 [D], zero codes int8 [D])."""
+    lo = tl.min(y, axis=0)
+    hi = tl.max(y, axis=0)
+    mid = (hi + lo) / 2.0
+    half = (hi - lo) / 2.0 * clip
+    code = _scale_code(2.0 * half / 3.0, False)
+    step = tl.exp2((code - 128.0) / 8.0)
+    zero = _round(4.0 * (mid / step - 1.5))
+    overflow = (zero < -128.0) | (zero > 127.0)
+    lowest = tl.abs(mid - 1.5 * step)
+    wide = _scale_code(lowest * 4.0 / 127.0, True)
+    code = tl.where(overflow, tl.maximum(code, wide), code)
+    step = tl.exp2((code - 128.0) / 8.0)
+    zero = tl.where(overflow, _round(4.0 * (mid / step - 1.5)), zero)
+    zero = tl.minimum(tl.maximum(zero, -128.0), 127.0)
+    q = _round(y / step[None, :] - (zero / 4.0)[None, :])
+    q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
+    q = tl.reshape(q, [BT, D // 4, 4])
+    shifts = tl.arange(0, 4) * 2
+    packed = tl.sum(q << shifts[None, None, :], axis=2).to(tl.uint8)
+    return packed, code.to(tl.uint8), zero.to(tl.int8)
+
+
+@triton.jit
+def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
+                  kclip_ptr, vclip_ptr, len_ptr, start_ptr, n, T,
+                  H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
+                  W: tl.constexpr, R: tl.constexpr, HAS_START: tl.constexpr):
+    """Program (k, b·H + h, side): the k-th block of sequence b that this append of n tokens pushes out of
+    the window (lengths already count them), from its G ring slots into INT2; nothing if there is none."""
+    k = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    length = tl.load(len_ptr + b)
+    count = n
+    if HAS_START:
+        count = n - tl.load(start_ptr + b)
+    first = tl.maximum(length - count - S - W, 0) // G
+    last = tl.maximum(length - S - W, 0) // G
+    blk = first + k
+    if blk < last:
+        t = tl.arange(0, G)
+        c = tl.arange(0, D)
+        bh64 = bh.to(tl.int64)
+        ring = (bh64 * R + (blk * G + t) % R)[:, None] * D + c[None, :]
+        row = bh64 * T + blk * G + t
+        if tl.program_id(2) == 0:
+            y = tl.load(kring_ptr + ring).to(tl.float32)
+            packed, code, zero = _quantize_columns(y, tl.load(kclip_ptr + h), G, D)
+            tl.store(kcodes_ptr + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], packed)
+            meta = (bh64 * (T // G) + blk) * D + c
+            tl.store(kscale_ptr + meta, code)
+            tl.store(kzero_ptr + meta, zero)
+        else:
+            y = tl.load(vring_ptr + ring).to(tl.float32)
+            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, row * (D // 4), row * (D // GV), y,
+                        tl.load(vclip_ptr + h), t < G, G, D, GV)
+
+
+def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int,
+                 starts: torch.Tensor | None = None) -> None:
+    """Keys per channel: quantize into INT2 the blocks that an append of n ≤ W tokens (starts: leading pads,
+    as append_kv) pushes out of the window, from their ring slots; cache.lengths already count the append.
+    One launch of ⌈n/G⌉ programs per (sequence, KV head, side); run it before append_kv."""
+    bsz, heads, _, d = cache.key_recent.shape
+    g = cache.key_group_size
+    if cache.key_axis != "channel" or n > cache.recent_tokens:
+        raise ValueError("leave_blocks moves the key blocks of a store with keys per channel, n ≤ W tokens at a time")
+    _leave_kernel[(triton.cdiv(n, g), bsz * heads, 2)](
+        cache.key_recent, cache.value_recent, cache.key_codes, cache.key_scale, cache.key_zero,
+        cache.value_codes, cache.value_scale, cache.value_zero, key_clip, value_clip, cache.lengths,
+        cache.lengths if starts is None else starts, n, cache.key_codes.shape[2],
+        H=heads, D=d, G=g, GV=cache.value_group_size, S=cache.sink_tokens, W=cache.recent_tokens,
+        R=cache.ring_slots, HAS_START=starts is not None, num_warps=4 if g * d <= 8192 else 8)
