@@ -16,6 +16,9 @@ layer_types a `sliding_window` applies to every layer (Mistral, Mixtral, Phi-3).
 Which layers hold INT2 tokens (holds_int2): every KV layer with global attention, and a sliding layer whose
 window is longer than 2·(sink + recent) tokens; a shorter window is kept whole as a BF16 ring of its last W
 tokens, as serving engines do (INT2 would cover at most half of it).
+
+The hooks check at run time that the window a layer passes its attention function is the one read here
+(check_window); visible() is the mask and windowed_attention() the exact windowed attention every stage uses.
 """
 
 from dataclasses import dataclass
