@@ -11,7 +11,8 @@ A bundle is a directory `<zoo>/<org>/<model>/<version>/` with
     layers.{i}.value_mean      float32 [kv_heads, d]      μ_V, subtracted before rotation, added to the output
   and, optionally (bundles imported from the upstream format, or `oscar export --eigenvalues`),
     layers.{i}.key_eigenvalues, layers.{i}.value_eigenvalues   float32 [kv_heads, d]   of C_Q / C_S, descending
-  A hybrid model's bundle has these tensors only for the layers listed in rotation.layers.
+  A hybrid model's bundle has these tensors only for the layers listed in rotation.layers, and so has a model
+  with sliding layers whose window is too short for INT2 (rotation.windows, rotation.layers_reason).
 - manifest.json: the Manifest below; tensors.sha256 is the checksum of rotations.safetensors.
 """
 
@@ -89,6 +90,9 @@ class RotationInfo(Strict):
     eigenvector_signs: Literal["largest_magnitude_positive"] = "largest_magnitude_positive"
     layers: list[int] | None = Field(None, description="global ids of the layers with rotations (a hybrid model's "
                                                        "attention layers); None: every layer")
+    windows: dict[str, int] | None = Field(None, description="sliding window (tokens) of each sliding layer, those "
+                                           "kept whole in BF16 included; None: no sliding layer")
+    layers_reason: str | None = Field(None, description="why the KV layers missing from `layers` hold no INT2 tokens")
 
 
 class CalibrationInfo(Strict):
@@ -161,7 +165,8 @@ class Bundle(BaseModel):
 
 
 def bundle_layers(m: Manifest) -> list[int]:
-    """The global ids of the layers that carry rotations: every layer, or a hybrid model's attention layers."""
+    """The global ids of the layers that carry rotations (hold INT2 tokens): every layer, or a hybrid model's
+    attention layers, less sliding layers kept whole in BF16."""
     return list(range(m.model.num_layers)) if m.rotation.layers is None else list(m.rotation.layers)
 
 
@@ -200,13 +205,14 @@ def canonical_header(data: bytes) -> bytes:
 
 
 def manifest_json(manifest: Manifest) -> str:
-    """Canonical JSON; the optional fields added after schema 1 shipped (source, rotation.layers, quant.layers) are left out
-    when unset, so manifests written before them keep their bytes."""
+    """Canonical JSON; the optional fields added after schema 1 shipped (source, rotation.layers, .windows,
+    .layers_reason, quant.layers) are left out when unset, so manifests written before them keep their bytes."""
     dump = manifest.model_dump(mode="json")
     if dump["source"] is None:
         del dump["source"]
-    if dump["rotation"]["layers"] is None:
-        del dump["rotation"]["layers"]
+    for name in ("layers", "windows", "layers_reason"):
+        if dump["rotation"][name] is None:
+            del dump["rotation"][name]
     if dump["quant"]["layers"] is None:
         del dump["quant"]["layers"]
     return canonical_json(dump)

@@ -18,7 +18,14 @@ tensors, read in torch.
 
 A hybrid model's layers without a KV cache (linear attention, Mamba: models.attention_layer_ids, the bundle's
 rotation.layers) hold transformers' LinearAttentionLayer (their convolution and recurrent states, exact); the
-first KV layer advances the shared sequence lengths.
+first OscarLayer advances the shared sequence lengths.
+
+Sliding layers (layers.LayerSpec.window = N: a query sees its own token and the N − 1 before it). One whose
+window is too short for INT2 to pay (layers.holds_int2), or any sliding layer of the bf16 method, is a RingLayer:
+the last N − 1 tokens in BF16, as transformers' DynamicSlidingWindowLayer keeps them (and sizes the mask from).
+A longer window holds INT2 in an OscarLayer whose SideStores (sink, INT2, recent, as methods.py stores them) are
+trimmed to the last N − 1 tokens after every update, sized for the mask as DynamicSlidingWindowLayer; it is read
+by torch, not by the decode kernel.
 
 update() follows the serving convention: a single decoded token is written first and then attends to
 what the store holds; the tokens of a multi-token update (prefill, or a prefill chunk) attend to the
@@ -42,12 +49,11 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from oscar_core import kvstore, methods
-from oscar_core.bundle import bundle_layers
 from oscar_core.errors import OscarError
-from oscar_core.models import attention_layer_ids
+from oscar_core.layers import LayerSpec, holds_int2, layer_specs, manifest_specs
 from oscar_core.statistics import route_attention
 
 ATTENTION_NAME = "oscar_cache"
@@ -62,13 +68,15 @@ def _triton_write():
 
 
 class SideStore:
-    """Sink, INT2 and recent storage of one side of one layer, as growing tensors (bf16 and kivi)."""
+    """Sink, INT2 and recent storage of one side of one layer, as growing tensors (bf16, kivi, and a sliding layer
+    of any method, which trim() keeps to its window)."""
 
     def __init__(self, side: methods.Side | None, sink: int, recent: int, block: int = 1):
         self.side, self.sink_tokens, self.recent_tokens, self.block = side, sink, recent, block
         self.sink = self.recent = None
         self.int2: dict[str, torch.Tensor] | None = None
         self.n_int2 = 0
+        self.dropped = self.sink_dropped = 0   # tokens trimmed off the front (out of a sliding window), of the sink
 
     def append(self, x: torch.Tensor) -> None:
         """Append x [B, H_kv, n, d], then move whole blocks leaving the recent window to INT2."""
@@ -76,7 +84,7 @@ class SideStore:
         if self.sink is None:
             self.sink = x[:, :, :0].contiguous()
             self.recent = x[:, :, :0].contiguous()
-        room = self.sink_tokens - self.sink.shape[2]
+        room = self.sink_tokens - self.sink.shape[2] - self.sink_dropped
         if room > 0:
             self.sink = torch.cat([self.sink, x[:, :, :room]], dim=2)
             x = x[:, :, room:]
@@ -92,16 +100,38 @@ class SideStore:
             self.recent = self.recent[:, :, move:].clone()
             self.n_int2 += move
 
-    def read(self, dtype: torch.dtype) -> torch.Tensor:
-        """All L tokens in position order, original space, [B, H_kv, L, d] in dtype."""
+    def read(self, dtype: torch.dtype, last: int | None = None) -> torch.Tensor:
+        """All L tokens held in position order (or the last `last` of them), original space, [B, H_kv, L, d]."""
         parts = [self.sink.to(dtype)]
         if self.int2 is not None:
             parts.append(methods.decode(self.side, self.int2).to(dtype))
         parts.append(self.recent.to(dtype))
-        return torch.cat(parts, dim=2)
+        out = torch.cat(parts, dim=2)
+        return out if last is None else out[:, :, max(out.shape[2] - last, 0):]
+
+    def trim(self, keep: int) -> None:
+        """Drop the tokens before the last `keep` (a sliding window's past): sink tokens first, then INT2 tokens
+        in whole blocks (KIVI keys keep a block until all its tokens are out); storage of the new size."""
+        excess = self.held() - keep
+        if excess <= 0:
+            return
+        s = min(excess, self.sink.shape[2])
+        if s:
+            self.sink = self.sink[:, :, s:].clone()
+            self.sink_dropped, self.dropped, excess = self.sink_dropped + s, self.dropped + s, excess - s
+        if self.int2 is not None and excess > 0:
+            b = self.side.token_block
+            k = min(excess, self.n_int2) // b * b
+            if k:
+                self.int2 = {name: x[:, :, k // b:].clone() for name, x in self.int2.items()}
+                self.n_int2, self.dropped = self.n_int2 - k, self.dropped + k
+
+    def held(self) -> int:
+        return 0 if self.sink is None else self.sink.shape[2] + self.n_int2 + self.recent.shape[2]
 
     def length(self) -> int:
-        return 0 if self.sink is None else self.sink.shape[2] + self.n_int2 + self.recent.shape[2]
+        """Tokens written so far (those trimmed off included)."""
+        return self.held() + self.dropped
 
     def tensors(self) -> list[torch.Tensor]:
         out = [t for t in (self.sink, self.recent) if t is not None]
@@ -141,9 +171,11 @@ class OscarLayer(DynamicLayer):
 
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
-                 query_heads: int | None = None, counts: bool | None = None):
+                 query_heads: int | None = None, counts: bool | None = None, window: int | None = None):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
+        self.window = window        # a sliding layer's window: a SideStore trimmed to it, read by torch
+        self.is_sliding = window is not None
         self.counts = layer_idx == 0 if counts is None else counts  # advances `sequences` (the first KV layer)
         self.query_heads = query_heads
         self.sink_tokens, self.recent_tokens = sink, recent
@@ -166,8 +198,9 @@ class OscarLayer(DynamicLayer):
                 raise OscarError(f"bundle {self.bundle.manifest.name} is for {m.num_kv_heads} KV heads of dim "
                                  f"{m.head_dim}; this model has {kv_heads} of dim {head_dim}")
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
-        self.kernel_problem = kernel_problem(lm, kv_heads, head_dim, self.query_heads, self.method)
-        if store_problem(lm, self.method) is None:
+        self.kernel_problem = (kernel_problem(lm, kv_heads, head_dim, self.query_heads, self.method)
+                               if self.window is None else "the decode kernel reads global attention layers only")
+        if store_problem(lm, self.method) is None and self.window is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
             self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens, lm.token_block)
@@ -257,17 +290,31 @@ class OscarLayer(DynamicLayer):
         return torch.cat([past[0], key_states], dim=-2), torch.cat([past[1], value_states], dim=-2)
 
     def _update_sides(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        n = key_states.shape[-2]
+        """A sliding layer of window W returns what get_mask_sizes announces (its last W − 1 tokens, and the new ones)
+        and then keeps only the last W − 1."""
+        n, w, stores = key_states.shape[-2], self.window, (self.key_store, self.value_store)
         if n > 1 and self.key_store.length():
-            past_k, past_v = self.key_store.read(key_states.dtype), self.value_store.read(value_states.dtype)
+            past_k, past_v = (st.read(key_states.dtype, None if w is None else w - 1) for st in stores)
         self.key_store.append(key_states)
         self.value_store.append(value_states)
         self.deferred = False
         if n == 1:
-            return self.key_store.read(key_states.dtype), self.value_store.read(value_states.dtype)
-        if self.key_store.length() == n:
-            return key_states, value_states
-        return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+            out = tuple(st.read(key_states.dtype, w) for st in stores)
+        elif self.key_store.length() == n:
+            out = key_states, value_states
+        else:
+            out = torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+        if w is not None:
+            for st in stores:
+                st.trim(w - 1)
+        return out
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv length, kv offset) of the mask: a sliding layer's as transformers' DynamicSlidingWindowLayer."""
+        if self.window is None:
+            return super().get_mask_sizes(query_length)
+        seen = self.get_seq_length()
+        return min(seen, self.window - 1) + query_length, max(seen - self.window + 1, 0)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """All keys and values in original space, [B, H_kv, L, d] each (the torch read; syncs with the device).
@@ -337,7 +384,8 @@ class OscarCache(Cache):
     """INT2 KV cache for `model.generate(..., past_key_values=OscarCache(bundle, "oscar"))`.
 
     method: one of methods.METHODS; bundle: needed for "oscar", and gives the layer count, the group
-    sizes and the BF16 windows; without a bundle pass num_layers (or config=model.config).
+    sizes, the BF16 windows and the layers' kinds (layers.manifest_specs); without a bundle pass config=model.config
+    (layers.layer_specs: a hybrid model's state layers, sliding windows) or num_layers (every layer global).
     capacity: tokens per sequence each layer's store is allocated for (prompt, pads included, plus
     new tokens); None: the first update's length, grown by half when exceeded.
     kernel_reads: whether oscar_attention reads decode steps by the Triton kernel; None: when the model
@@ -366,18 +414,27 @@ class OscarCache(Cache):
         self.method, self.kernel_reads, self.bundle = method, kernel_reads, bundle
         self.sequences = Sequences(capacity)
         if bundle is not None:
-            query_heads, kv = bundle.manifest.model.num_heads, bundle_layers(bundle.manifest)
+            query_heads, specs = bundle.manifest.model.num_heads, manifest_specs(bundle.manifest)
         else:
             query_heads = config.get_text_config().num_attention_heads if config is not None else None
-            kv = (config is not None and attention_layer_ids(config)) or range(num_layers)
-        super().__init__(layers=[OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes,
-                                            query_heads, counts=i == kv[0]) if i in kv else state_layer()
-                                 for i in range(num_layers)])
+            specs = layer_specs(config) if config is not None else [LayerSpec()] * num_layers
+        ring = [s.window is not None and (method == "bf16" or not holds_int2(s, sink, recent)) for s in specs]
+        first = next((i for i, s in enumerate(specs) if s.kv_cache and not ring[i]), None)
+        super().__init__(layers=[
+            state_layer() if not s.kv_cache else RingLayer(s.window) if ring[i] else
+            OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, counts=i == first,
+                       window=s.window)
+            for i, s in enumerate(specs[:num_layers])])
 
     @property
     def kv_layers(self) -> list["OscarLayer"]:
-        """The layers holding keys and values (all of them but a hybrid model's linear-attention or Mamba layers)."""
+        """The layers holding keys and values by the method (all of them but a hybrid model's linear-attention or
+        Mamba layers and the BF16 rings of short sliding windows)."""
         return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+
+    @property
+    def ring_layers(self) -> list["RingLayer"]:
+        return [layer for layer in self.layers if isinstance(layer, RingLayer)]
 
     def reserve(self, tokens: int) -> None:
         """Grow every store to hold `tokens` per sequence now (before a CUDA-graph capture)."""
@@ -400,12 +457,13 @@ class OscarCache(Cache):
                    and layer.store is not None for layer in self.kv_layers)
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (codes, scales, zero codes, BF16 windows, spare capacity)."""
-        return sum(layer.nbytes() for layer in self.kv_layers)
+        """Bytes of every tensor the cache holds (codes, scales, zero codes, BF16 windows and rings, spare capacity)."""
+        return sum(layer.nbytes() for layer in self.kv_layers + self.ring_layers)
 
     def bf16_nbytes(self) -> int:
-        """Bytes of a BF16 cache holding the same tokens: 2 sides · B · H_kv · L · d · 2 bytes per layer."""
-        total = 0
+        """Bytes of a BF16 cache holding the same tokens: 2 sides · B · H_kv · L · d · 2 bytes per layer (a ring: the
+        N − 1 tokens it keeps)."""
+        total = sum(layer.nbytes() for layer in self.ring_layers)
         for layer in self.kv_layers:
             if layer.store is not None:
                 b, h, _, d = layer.store.key_sink.shape
@@ -413,8 +471,29 @@ class OscarCache(Cache):
                 b, h, _, d = layer.key_store.sink.shape
             else:
                 continue
-            total += 2 * b * h * layer.get_seq_length() * d * 2
+            tokens = layer.key_store.held() if layer.window is not None else layer.get_seq_length()
+            total += 2 * b * h * tokens * d * 2
         return total
+
+
+class RingLayer(DynamicSlidingWindowLayer):
+    """A sliding layer of window N holding no INT2: its last N − 1 tokens in BF16 (with a decoded token's own, the N
+    its query sees), kept and sized for the mask as transformers' DynamicSlidingWindowLayer does. Like the other
+    layers, a multi-token update attends to its own tokens as computed, a decoded token to its BF16 copy."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n, dtype = key_states.shape[-2], key_states.dtype
+        k, v = super().update(key_states.to(torch.bfloat16), value_states.to(torch.bfloat16))
+        if n > 1:  # keep the ring in storage of its own size, not a view of the whole prefill
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+            return (torch.cat([k[:, :, :-n].to(dtype), key_states], dim=-2),
+                    torch.cat([v[:, :, :-n].to(dtype), value_states], dim=-2))
+        return k.to(dtype), v.to(dtype)
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values))
 
 
 def state_layer():
@@ -426,16 +505,19 @@ def state_layer():
 
 
 def exact_cache(like: OscarCache) -> Cache:
-    """A transformers cache with the layers of `like` that keeps everything exact: a DynamicLayer (every token, no
-    sliding window) for each KV layer, state_layer() for the others (what `fill` reads)."""
-    return Cache(layers=[DynamicLayer() if isinstance(layer, OscarLayer) else state_layer() for layer in like.layers])
+    """A transformers cache with the layers of `like` that keeps everything exact: a DynamicLayer (every token; a
+    sliding layer's mask keeps each query in its window) for each KV layer, state_layer() for the others (what
+    `fill` reads)."""
+    return Cache(layers=[DynamicLayer() if isinstance(layer, (OscarLayer, RingLayer)) else state_layer()
+                         for layer in like.layers])
 
 
 def fill(cache: OscarCache, prefill: Cache) -> OscarCache:
     """Write an exact prefill (exact_cache) into `cache`: each KV layer's keys and values through the cache's
-    method, and a copy of each state layer (so that several caches can decode on from one prefill)."""
+    method (a ring keeps the last of them), and a copy of each state layer (so that several caches can decode on
+    from one prefill)."""
     for i, done in enumerate(prefill.layers):
-        if isinstance(cache.layers[i], OscarLayer):
+        if isinstance(cache.layers[i], (OscarLayer, RingLayer)):
             cache.update(done.keys, done.values, i)
         else:
             cache.layers[i] = copy.deepcopy(done)
@@ -444,31 +526,41 @@ def fill(cache: OscarCache, prefill: Cache) -> OscarCache:
 
 def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, budget_bytes: int | None = None,
                 key_group_size: int = 64, value_group_size: int = 64, sink_tokens: int = methods.SINK_TOKENS,
-                recent_tokens: int = methods.RECENT_TOKENS, key_axes: list[str] | None = None) -> dict:
+                recent_tokens: int = methods.RECENT_TOKENS, key_axes: list[str] | None = None,
+                windows: list[int | None] | None = None) -> dict:
     """Bytes an INT2 OscarCache allocates, and the largest batch a budget holds.
 
     key_axes: each layer's key axis ("token" or "channel", Bundle.key_axis; None: all "token"); a
     channel layer's store holds a ring of W + G slots and rows in whole blocks of G (kvstore.store_nbytes).
-
-    bytes_per_token: one INT2 token of every layer (codes, scale and zero codes, K and V);
+    windows: each layer's sliding window (None: global attention), e.g. [s.window for s in layer_specs(config)];
+    a layer whose window holds no INT2 (layers.holds_int2) counts as what its RingLayer allocates, min(context, N)
+    BF16 tokens (N − 1 kept, and the decoded one), in both caches; a longer window as a store of min(context, N)
+    tokens.
+    bytes_per_token: one INT2 token of every INT2 layer (codes, scale and zero codes, K and V);
     bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
     included (kvstore.store_nbytes, exactly what OscarCache allocates at that capacity);
     bf16_bytes_per_sequence: the same context in a BF16 cache; max_batch / bf16_max_batch: how many
-    sequences of `context` tokens fit in budget_bytes (if given)."""
+    sequences of `context` tokens fit in budget_bytes (if given); bits_per_element: bits per K/V element held."""
     axes = key_axes or ["token"] * num_layers
+    windows = windows or [None] * num_layers
+    ring = [w is not None and not holds_int2(LayerSpec(window=w), sink_tokens, recent_tokens) for w in windows]
+    ring_bytes = 2 * kv_heads * sum(min(context, w) for w, r in zip(windows, ring) if r) * head_dim * 2
+    held = [(min(context, w or context), axis) for w, r, axis in zip(windows, ring, axes) if not r]
+    int2_axes = [axis for _, axis in held]
 
-    def store(batch, capacity):
+    def store(batch, capacity, layer_axes):
         return sum(kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size, value_group_size,
-                                        sink_tokens, recent_tokens, axis) for axis in axes)
+                                        sink_tokens, recent_tokens, axis) for axis in layer_axes)
 
-    per_seq = store(1, context)
-    bf16 = num_layers * 2 * kv_heads * context * head_dim * 2
+    per_seq = sum(store(1, tokens, [axis]) for tokens, axis in held) + ring_bytes
+    bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens, _ in held) + ring_bytes
     # Rows are allocated in whole blocks: one block's bytes over its rows.
-    block = kvstore.ROW_BLOCK if "channel" not in axes else math.lcm(kvstore.ROW_BLOCK, key_group_size)
+    block = kvstore.ROW_BLOCK if "channel" not in int2_axes else math.lcm(kvstore.ROW_BLOCK, key_group_size)
     window = sink_tokens + recent_tokens
-    out = dict(bytes_per_token=(store(1, window + 2 * block) - store(1, window + block)) // block,
+    one_block = store(1, window + 2 * block, int2_axes) - store(1, window + block, int2_axes)
+    out = dict(bytes_per_token=one_block // block,
                bytes_per_sequence=per_seq, bf16_bytes_per_sequence=bf16,
-               bits_per_element=round(8 * per_seq / (num_layers * 2 * kv_heads * context * head_dim), 4))
+               bits_per_element=round(8 * per_seq / (bf16 // 2), 4))
     if budget_bytes is not None:
         out |= dict(max_batch=budget_bytes // per_seq, bf16_max_batch=budget_bytes // bf16)
     return out
@@ -548,6 +640,8 @@ def oscar_attention(model, cache: OscarCache):
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer = cache.layers[module.layer_idx]
         scaling = scaling or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        if not isinstance(layer, OscarLayer):   # a BF16 ring: exact sdpa under the model's sliding mask
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if layer.pending is not None:
             k, v = layer.pending
             layer.pending = None
@@ -558,7 +652,7 @@ def oscar_attention(model, cache: OscarCache):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     def mask(*args, **kwargs):
-        if kwargs.get("q_length") == 1 and cache.reads_by_kernel():
+        if kwargs.get("q_length") == 1 and cache.reads_by_kernel() and not cache.ring_layers:
             return None
         return sdpa_mask(*args, **kwargs)
 

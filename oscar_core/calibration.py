@@ -5,7 +5,9 @@ A calibration directory holds
   number of samples already counted (written atomically after every batch, so a rerun resumes);
 - calibration.json: provenance (model, data and its fingerprint, N, L, seed, tool version, timings) and, for a
   hybrid model, `attention_layers`: the global ids of the layers with a KV cache (models.attention_layer_ids);
-  the statistics keep every layer, zero for the others (the hooks never see them).
+  the statistics keep every layer, zero for the others (the hooks never see them); for a model with sliding
+  layers, `windows`: {layer: W} (layers.windows), whose statistics come from the windowed attention the model
+  computes.
 """
 
 import json
@@ -22,6 +24,7 @@ from oscar_core import __version__, distributed
 from oscar_core.data import DEFAULT_CALIBRATION, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes, atomic_write_json
+from oscar_core.layers import layer_specs, windows
 from oscar_core.models import attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device
 from oscar_core.provenance import model_source, platform_record
 from oscar_core.statistics import AttentionStatistics, observe_attention
@@ -159,6 +162,9 @@ def _calibrate(req, out_dir, device, group, on_progress, on_loaded, loaded) -> d
         layers = attention_layer_ids(loaded.model.config)
         if layers is not None:  # a hybrid model: only these layers are observed (the others keep zero statistics)
             record["attention_layers"] = layers
+        sliding = windows(layer_specs(loaded.model.config))
+        if sliding is not None:  # observed through their window, as the model attends (statistics.observe_attention)
+            record["windows"] = {str(i): w for i, w in sliding.items()}
         if group.world > 1 or len(model_devices(loaded.model)) > 1:
             record["processes"] = group.world
             record["devices"] = model_devices(loaded.model)

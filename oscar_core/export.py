@@ -15,6 +15,7 @@ from oscar_core.calibration import read_layer_statistics, read_record, read_stat
 from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
+from oscar_core.layers import int2_layer_ids, int2_reason, specs_from
 from oscar_core.provenance import platform_record
 from oscar_core.quant import bits_per_element
 from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error
@@ -134,8 +135,13 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     if stats.num_layers != model.num_layers or stats.num_kv_heads != model.num_kv_heads:
         raise OscarError(f"statistics in {calib_dir} do not match the model in its record")
 
-    hybrid = record.get("attention_layers")  # a hybrid model's attention layers; None: every layer
-    layers = list(range(model.num_layers)) if hybrid is None else hybrid
+    # Rotations for the layers that hold INT2 tokens only: not a hybrid model's layers without a KV cache, nor
+    # sliding layers whose window is kept whole in BF16 (layers.holds_int2). None: every layer.
+    specs = specs_from(model.num_layers, record.get("attention_layers"), record.get("windows"))
+    held = int2_layer_ids(specs, sink_tokens, recent_tokens)
+    layers = list(range(model.num_layers)) if held is None else held
+    if not layers:
+        raise OscarError(f"no layer of {model.id} holds INT2 tokens: {int2_reason(specs, sink_tokens, recent_tokens)}")
     opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens})
     tensors: dict[str, torch.Tensor] = {}
     formats: list[LayerQuant] = []
@@ -176,7 +182,8 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
                         layers=formats if len(opts.key_formats) > 1 else None),
         rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
                               key_centering=opts.key_centering, value_centering=opts.value_centering,
-                              layers=hybrid),
+                              layers=held, windows=record.get("windows"),
+                              layers_reason=int2_reason(specs, sink_tokens, recent_tokens)),
         calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
                                     samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
                                     tokens=record["tokens"], model_source=record.get("model_source"),

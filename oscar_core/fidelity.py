@@ -55,10 +55,11 @@ def key_error(q, k, rotation, mean, clip, group_size: int, sink_tokens: int, wri
 
 
 def value_error(q, k, v, scaling: float, rotation, mean, clip, group_size: int, sink_tokens: int,
-                write=None) -> torch.Tensor:
-    """Per-KV-head relative attention-output error with exact keys; q [H, T, d], k, v [KVH, T, d]."""
+                write=None, window: int | None = None) -> torch.Tensor:
+    """Per-KV-head relative attention-output error with exact keys; q [H, T, d], k, v [KVH, T, d]; window: the
+    layer's sliding window (None: global)."""
     kv, t = k.shape[0], k.shape[1]
     v_hat = roundtrip(v, rotation, mean, clip, group_size, sink_tokens, write)
     rows = q.reshape(kv, -1, q.shape[-1])  # the group's query heads stacked as rows
     positions = torch.arange(t).repeat(rows.shape[1] // t)
-    return output_error(rows, k, v, k, v_hat, scaling, positions)
+    return output_error(rows, k, v, k, v_hat, scaling, positions, window)

@@ -2,6 +2,8 @@
 
 import torch
 
+from oscar_core.layers import visible
+
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """‖approx − exact‖ / ‖exact‖ over the last two dims (one figure per leading index)."""
@@ -16,18 +18,20 @@ def logit_error(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor) -> torch.
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                     q_positions: torch.Tensor) -> torch.Tensor:
-    """softmax(scaling·q·k^T, causal) · v in float64, for queries at q_positions; q [..., Nq, d], k, v [..., Nk, d]."""
+                     q_positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """softmax(scaling·q·k^T, causal) · v in float64, for queries at q_positions; q [..., Nq, d], k, v [..., Nk, d];
+    in a sliding window of W (layers.visible) a query at p sees keys p − W + 1..p only."""
     scores = (q.double() @ k.double().mT) * scaling
-    future = torch.arange(k.shape[-2], device=k.device)[None, :] > q_positions[:, None].to(k.device)
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    hidden = ~visible(q_positions.to(k.device), k.shape[-2], window)
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
     return probs @ v.double()
 
 
-def output_error(q, k, v, k_hat, v_hat, scaling: float, q_positions: torch.Tensor) -> torch.Tensor:
+def output_error(q, k, v, k_hat, v_hat, scaling: float, q_positions: torch.Tensor,
+                 window: int | None = None) -> torch.Tensor:
     """Relative attention-output error of attending over (k̂, v̂) instead of (k, v)."""
-    exact = causal_attention(q, k, v, scaling, q_positions)
-    return relative_error(causal_attention(q, k_hat, v_hat, scaling, q_positions), exact)
+    exact = causal_attention(q, k, v, scaling, q_positions, window)
+    return relative_error(causal_attention(q, k_hat, v_hat, scaling, q_positions, window), exact)
 
 
 def kl_divergence(logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:

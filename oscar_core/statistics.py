@@ -204,13 +204,25 @@ def route_attention(model, name: str, attention, mask: str | None = None):
 def observe_attention(model, observer):
     """Route every attention layer of `model` through sdpa plus `observer(layer, q, k, v, out, scaling)`.
 
-    The observer sees post-RoPE queries and keys and the real attention output; logits are unchanged.
+    The observer sees post-RoPE queries and keys and the real attention output; logits are unchanged. A sliding
+    layer (layers.layer_specs) attends to its window only, as the model does (the layers get no mask here, so
+    the window is applied by layers.windowed_attention); the window the model passes must be its config's.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from oscar_core.layers import check_window, layer_specs, windowed_attention
+
+    specs = layer_specs(model.config)
+
     def attention(module, query, key, value, attention_mask, **kwargs):
-        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        spec = specs[module.layer_idx]
+        check_window(module.layer_idx, spec, kwargs.get("sliding_window"))
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        if spec.window is not None and attention_mask is None and key.shape[2] > spec.window:
+            out = windowed_attention(query, key, value, float(scaling), spec.window).transpose(1, 2).contiguous()
+            weights = None
+        else:
+            out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         observer(module.layer_idx, query, key, value, out, float(scaling))
         return out, weights
 

@@ -216,24 +216,39 @@ def read_record(directory: Path) -> dict | None:
 
 def import_upstream(directory: str | Path, zoo_root: str | Path, model: ModelInfo, layers: list[int] | None = None,
                     key_clip: float | None = None, value_clip: float | None = None, group_size: int | None = None,
-                    name: str | None = None, version: str | None = None) -> tuple[Path, Manifest, dict[str, SideFile]]:
+                    name: str | None = None, version: str | None = None,
+                    specs: list | None = None) -> tuple[Path, Manifest, dict[str, SideFile]]:
     """An upstream directory -> a bundle <zoo_root>/<name>/<version>/ that verify and eval read as any other."""
-    manifest, tensors, files = upstream_bundle(directory, model, layers, key_clip, value_clip, group_size, name, version)
+    manifest, tensors, files = upstream_bundle(directory, model, layers, key_clip, value_clip, group_size, name, version,
+                                               specs)
     out = Path(zoo_root) / manifest.name / manifest.version
     return out, write_bundle(out, manifest, tensors), files
 
 
+def served_windows(record: dict | None) -> tuple[int, int]:
+    """(sink, recent) BF16 tokens: as an oscar export recorded them, else the runtime's defaults."""
+    env = record["serve"]["env"] if record is not None else {}
+    return (int(env.get("SGLANG_MIXED_KV_PREFIX_TOKENS", 64)), int(env.get("SGLANG_MIXED_KV_RECENT_TOKENS", 256)))
+
+
 def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] | None = None,
                     key_clip: float | None = None, value_clip: float | None = None, group_size: int | None = None,
-                    name: str | None = None, version: str | None = None):
+                    name: str | None = None, version: str | None = None, specs: list | None = None):
     """An upstream directory as (manifest, tensors, files) of a bundle, nothing written.
+
+    specs (the model's layers.layer_specs, instead of `layers`): the layers expected are those that hold INT2 tokens
+    at the recorded BF16 windows, and the manifest records the model's sliding windows as oscar export does.
 
     Keys and values are not centred; one clip ratio per side for every layer and head: the given ones, else those
     an oscar export recorded beside the files (oscar_upstream.json, when its checksums match), else the upstream
     defaults 0.96 / 0.92. The group size: given, else from the directory name; capped at head_dim."""
     from oscar_core.export import average_bits, bundle_name
 
+    from oscar_core.layers import int2_layer_ids, int2_reason, windows
+
     directory = Path(directory)
+    if specs is not None:
+        layers = int2_layer_ids(specs, *served_windows(read_record(directory)))
     files = read_upstream_dir(directory, model, layers)
     parsed = parse_directory_name(directory.name)
     record = read_record(directory)
@@ -268,10 +283,9 @@ def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] |
             tensors[f"layers.{i}.{side}_clip"] = torch.full((model.num_kv_heads,), clips[side])
             if f.eigenvalues[i] is not None:
                 tensors[f"layers.{i}.{side}_eigenvalues"] = f.eigenvalues[i]
-    env = record["serve"]["env"] if record is not None else {}  # BF16 windows: as exported, else the runtime's
-    quant = {"key_group_size": g, "value_group_size": g,
-             "sink_tokens": int(env.get("SGLANG_MIXED_KV_PREFIX_TOKENS", 64)),
-             "recent_tokens": int(env.get("SGLANG_MIXED_KV_RECENT_TOKENS", 256))}
+    sink, recent = served_windows(record)
+    quant = {"key_group_size": g, "value_group_size": g, "sink_tokens": sink, "recent_tokens": recent}
+    sliding = None if specs is None else windows(specs)
     notes = ["keys not centred (the format has no key means)",
              "one clip ratio per side for every layer and head (the runtime takes two numbers)"]
     if record is not None:
@@ -290,7 +304,9 @@ def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] |
         rotation=RotationInfo(key=f"{COMPOSITIONS['key']} ({files['key'].objective}, per {files['key'].grouping})",
                               value=f"{COMPOSITIONS['value']} ({files['value'].objective}, per {files['value'].grouping})",
                               key_centering=False, value_centering=False,
-                              layers=None if layer_ids == list(range(model.num_layers)) else layer_ids),
+                              layers=None if layer_ids == list(range(model.num_layers)) else layer_ids,
+                              windows=None if sliding is None else {str(i): w for i, w in sliding.items()},
+                              layers_reason=None if specs is None else int2_reason(specs, sink, recent)),
         calibration=CalibrationInfo(data=f"upstream rotations {directory.parent.name}/{directory.name}",
                                     data_fingerprint=sha256_bytes("".join(f.sha256 for f in files.values()).encode()),
                                     samples=prompts, seq_len=tokens // prompts if prompts else 0, seed=None,

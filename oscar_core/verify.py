@@ -59,14 +59,20 @@ def check_model(manifest_model: ModelInfo, model: ModelInfo) -> Check:
 
 
 def check_layers(manifest: Manifest, config) -> Check:
-    """The layers with rotations are the model's attention layers (every layer, or a hybrid model's)."""
-    from oscar_core.models import attention_layer_ids
+    """The layers with rotations are the model's layers that hold INT2 tokens (every layer, or a hybrid model's
+    attention layers, less sliding layers kept whole in BF16: layers.int2_layer_ids), and the sliding windows the
+    manifest records are the model's."""
+    from oscar_core.layers import int2_layer_ids, layer_specs, windows
 
-    want, have = attention_layer_ids(config), manifest.rotation.layers
+    specs, q = layer_specs(config), manifest.quant
+    want, have = int2_layer_ids(specs, q.sink_tokens, q.recent_tokens), manifest.rotation.layers
     ok = (None if have is None else sorted(have)) == want
     where = lambda ids: "every layer" if ids is None else "layers " + ", ".join(map(str, ids))  # noqa: E731
     detail = (where(have) if ok else
               f"the bundle rotates {where(have)}, the model's attention layers are {where(want)}")
+    sliding = {str(i): w for i, w in (windows(specs) or {}).items()} or None
+    if ok and sliding != manifest.rotation.windows:
+        ok, detail = False, f"the bundle's sliding windows are {manifest.rotation.windows}, the model's {sliding}"
     return Check("layers match the model's attention layers", ok, detail)
 
 
@@ -89,6 +95,7 @@ def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED) -> l
     rows = []
     for layer in bundle_layers(m):
         q, k, v, scaling = held[layer]
+        window = (m.rotation.windows or {}).get(str(layer))   # a sliding layer's values are read in its window
         errors = {}
         for method in compared:
             r, mean, clip = (x.to(k.device) if isinstance(x, torch.Tensor) else x
@@ -97,7 +104,7 @@ def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED) -> l
             r, mean, clip = (x.to(k.device) if isinstance(x, torch.Tensor) else x
                              for x in _side_tensors(method, "value", layer, kv, d, bundle))
             errors[f"{method}_value"] = value_error(q, k, v, scaling, r, mean, clip, m.quant.value_group_size, sink,
-                                                    write if method == "oscar" else None)
+                                                    write if method == "oscar" else None, window)
         for head in range(kv):
             rows.append({"layer": layer, "kv_head": head, **{k: float(e[head]) for k, e in errors.items()}})
     return rows

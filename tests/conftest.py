@@ -25,6 +25,25 @@ def tiny_model(kind: str, seed: int = 0):
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def tiny_sliding_model(kind: str, window: int = 8, seed: int = 0):
+    """A randomly initialised causal LM with sliding-window layers of `window` tokens: gemma3 (layers 0 and 2
+    sliding, 1 global; Gemma's query_pre_attn_scalar), mistral (every layer sliding) or qwen2 (use_sliding_window,
+    layers from max_window_layers = 1 on sliding)."""
+    import transformers as tf
+
+    small = {**TINY, "num_hidden_layers": 3}
+    if kind == "gemma3":
+        config = tf.Gemma3TextConfig(**small, head_dim=16, sliding_window=window, query_pre_attn_scalar=24,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    elif kind == "mistral":
+        config = tf.MistralConfig(**small, head_dim=16, sliding_window=window)
+    else:
+        config = tf.Qwen2Config(**small, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def default_model():
     from oscar_core.models import load_model

@@ -358,3 +358,37 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
     assert cache.layers[0].store.int2_tokens().tolist() == [32]
     err = (got - want).norm(dim=-1) / want.norm(dim=-1)
     assert err.max() < 3e-2, err
+
+
+def test_kernel_reads_beside_sliding_rings():
+    """Gemma 3 (layers 0 and 2 slide over 8 tokens, BF16 rings; layer 1 global, INT2): inside oscar_attention the
+    global layer decodes by the kernel and the rings by sdpa under the model's sliding mask, in a left-padded batch;
+    against each sequence decoded alone through torch reads."""
+    import transformers as tf
+
+    config = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_attention_heads=HEADS,
+                                 num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=256,
+                                 max_position_embeddings=256, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :15] = 0
+
+    def cache(kernel):
+        return OscarCache(None, "int2", config=config, sink_tokens=4, recent_tokens=16, kernel_reads=kernel,
+                          kernel_writes=kernel)
+
+    by_kernel = cache(True)
+    calls = []
+    real = by_kernel.layers[1].decode_attention
+    by_kernel.layers[1].decode_attention = lambda *a: calls.append(1) or real(*a)
+    with oscar_attention(model, by_kernel):
+        got = decode_logits(model, by_kernel, ids, steps=3, mask=mask)
+    assert len(calls) == 3 and by_kernel.layers[0].keys.shape[2] == 7
+    for b, start in ((0, 0), (1, 15)):
+        want = decode_logits(model, cache(False), ids[b:b + 1, start:], steps=3)
+        err = (got[b] - want[0]).norm(dim=-1) / want[0].norm(dim=-1)
+        assert err.max() < 3e-2, (b, err)

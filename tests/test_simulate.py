@@ -24,8 +24,9 @@ def qkv(t=70, seed=0):
     return q, k, v
 
 
-def brute_force(q, k, v, lm, scaling):
-    """Per query p: build each key and value as the cache holds it, then softmax attention."""
+def brute_force(q, k, v, lm, scaling, window=None):
+    """Per query p: build each key and value as the cache holds it, then softmax attention over the keys p sees
+    (0..p, or p − window + 1..p)."""
     t = k.shape[2]
     k_bf, v_bf = k.bfloat16().float(), v.bfloat16().float()
     def int2(side, x):
@@ -39,8 +40,9 @@ def brute_force(q, k, v, lm, scaling):
         mv = methods.int2_mask(torch.tensor([p]), p + 1, lm.value, SINK, RECENT, lm.token_block)[0][:, None]
         kp = torch.where(mk, k_q[:, :, :p + 1], k_bf[:, :, :p + 1]).repeat_interleave(2, 1)
         vp = torch.where(mv, v_q[:, :, :p + 1], v_bf[:, :, :p + 1]).repeat_interleave(2, 1)
-        probs = torch.softmax(scaling * q[:, :, p:p + 1] @ kp.mT, -1)
-        out[:, :, p:p + 1] = probs @ vp
+        a = 0 if window is None else max(0, p - window + 1)
+        probs = torch.softmax(scaling * q[:, :, p:p + 1] @ kp[:, :, a:].mT, -1)
+        out[:, :, p:p + 1] = probs @ vp[:, :, a:]
     return out
 
 
@@ -78,3 +80,13 @@ def test_int2_differs_from_bf16_only_past_the_window():
     int2 = simulated_attention(q, k, v, lms["int2"], 0.125, SINK, RECENT)
     assert torch.allclose(exact[:, :, :SINK + RECENT], int2[:, :, :SINK + RECENT], atol=1e-5)
     assert not torch.allclose(exact[:, :, SINK + RECENT:], int2[:, :, SINK + RECENT:], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int2", "kivi", "oscar"])
+@pytest.mark.parametrize("chunk,window", [(7, 5), (7, 30), (16, 40), (256, 24)])
+def test_simulated_attention_in_a_sliding_window(name, chunk, window):
+    """A sliding layer: query p reads keys p − window + 1..p, each as the cache holds it (sink, INT2, recent)."""
+    q, k, v = qkv()
+    lm = layer_methods()[name]
+    got = simulated_attention(q, k, v, lm, 0.125, SINK, RECENT, chunk, window)
+    assert torch.allclose(got, brute_force(q, k, v, lm, 0.125, window), atol=1e-4)

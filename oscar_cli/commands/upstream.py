@@ -76,7 +76,8 @@ def import_(
     version: Annotated[Optional[str], typer.Option(help="Bundle version; default: upstream-<directory name>.")] = None,
 ) -> None:
     """Validate upstream rotation files against the model and write them as a bundle that verify and eval read."""
-    from oscar_core.models import attention_layer_ids, load_model
+    from oscar_core.layers import layer_specs
+    from oscar_core.models import load_model
     from oscar_core.verify import resolve_model_spec
 
     if not directory.is_dir():
@@ -88,8 +89,8 @@ def import_(
         model = resolve_model_spec(None, core.ModelInfo.model_validate(record["model"]))
     with console.status(f"loading {model} for its attention facts"):
         loaded = load_model(model, "cpu")
-    path, manifest, files = core.import_upstream(directory, out, loaded.info, attention_layer_ids(loaded.model.config),
-                                                 key_clip, value_clip, group_size, name, version)
+    path, manifest, files = core.import_upstream(directory, out, loaded.info, None, key_clip, value_clip, group_size,
+                                                 name, version, layer_specs(loaded.model.config))
     m, s = manifest.model, manifest.source
     table = Table(title=f"{directory} → {manifest.name} {manifest.version}")
     table.add_column("check / field")
