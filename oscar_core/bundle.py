@@ -59,7 +59,7 @@ class LayerQuant(Strict):
     layer: int
     key_axis: Literal["token", "channel"] = Field(
         description="token: groups of G channels of one token; channel: groups of G tokens of one channel")
-    key_format: str = Field(description="the axis and the rotation of the kept keys, e.g. 'channel U_Q'")
+    key_format: str | None = Field(None, description="the axis and the rotation of the kept keys, e.g. 'channel U_Q'")
     errors: dict[str, float] = Field(default_factory=dict, description="candidate format -> the relative attention-"
                                      "output error its keys (alone) leave on the calibration probe")
 

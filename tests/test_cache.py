@@ -134,11 +134,13 @@ def chat_ids(tokenizer, question):
 
 @pytest.mark.slow
 def test_generate_with_oscar_cache_answers_like_bf16(default_model):
-    """Greedy chat answers through the INT2 cache (4 sink + 16 recent BF16 tokens, so the prompt's middle is INT2)."""
+    """Greedy chat answers through the INT2 cache (4 sink + 16 recent BF16 tokens, so the prompt's middle is INT2;
+    layers whose keys go per channel move it there in blocks of 64 tokens, so the prompt is long enough for two)."""
     model, tok = default_model.model, default_model.tokenizer
     bundle = load_bundle(BUNDLE)
-    ids = chat_ids(tok, "What is the capital of France? Answer in one word.")
-    assert ids.shape[1] > 24
+    preface = " ".join(["France is a country in Western Europe with many old cities, rivers and museums."] * 10)
+    ids = chat_ids(tok, preface + " What is the capital of France? Answer in one word.")
+    assert ids.shape[1] > 4 + 16 + 2 * 64
     answers = {}
     for method in ("bf16", "oscar"):
         cache = OscarCache(bundle, method, sink_tokens=4, recent_tokens=16, capacity=ids.shape[1] + 8)
