@@ -15,9 +15,9 @@ from oscar_core.calibration import read_layer_statistics, read_record, read_stat
 from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
-from oscar_core.layers import int2_layer_ids, int2_reason, specs_from
+from oscar_core.layers import holds_int2, int2_layer_ids, int2_reason, specs_from
 from oscar_core.provenance import platform_record
-from oscar_core.quant import bits_per_element
+from oscar_core.quant import layer_bits_per_element
 from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error
 
 ORTHOGONALITY_TOLERANCE = 1e-5
@@ -32,15 +32,12 @@ def bundle_name(model: ModelInfo) -> str:
     return f"local/{stem}"
 
 
-def average_bits(context: int, quant: dict, channel_layers: int = 0, layers: int = 1) -> float:
-    """Bits per K/V element at `context` tokens over `layers` layers, `channel_layers` of which group keys per
-    channel and so move tokens to INT2 a block of G at a time (methods.LayerMethod.token_block)."""
-    s, w, g = quant["sink_tokens"], quant["recent_tokens"], quant["key_group_size"]
-
-    def layer_bits(block):
-        return sum(bits_per_element(context, size, s, w, block) for size in (g, quant["value_group_size"])) / 2
-
-    return round((layer_bits(1) * (layers - channel_layers) + layer_bits(g) * channel_layers) / layers, 4)
+def average_bits(context: int, quant: dict, layers=((1, None, True),)) -> float:
+    """Bits per K/V element at `context` tokens, averaged over the KV layers, each (token_block, window, int2) as
+    quant.layer_bits_per_element takes them; the default is one global layer with keys per token."""
+    q = quant
+    return round(sum(layer_bits_per_element(context, q["key_group_size"], q["value_group_size"], q["sink_tokens"],
+                                            q["recent_tokens"], *layer) for layer in layers) / len(layers), 4)
 
 
 def default_workers() -> int:
@@ -172,13 +169,14 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
 
     quant = {"key_group_size": opts.key_group_size, "value_group_size": opts.value_group_size,
              "sink_tokens": sink_tokens, "recent_tokens": recent_tokens}
-    channel_layers = sum(f.key_axis == "channel" for f in formats)
+    axis = {f.layer: f.key_axis for f in formats}
+    kv_layers = [(opts.key_group_size if axis.get(i) == "channel" else 1, spec.window,
+                  holds_int2(spec, sink_tokens, recent_tokens)) for i, spec in enumerate(specs) if spec.kv_cache]
     manifest = Manifest(
         name=name or bundle_name(model), version=version, model=model,
         quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
                         clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor, opts.clip_grid),
-                        bits_per_element={str(c): average_bits(c, quant, channel_layers, len(layers))
-                                          for c in CONTEXTS_REPORTED},
+                        bits_per_element={str(c): average_bits(c, quant, kv_layers) for c in CONTEXTS_REPORTED},
                         layers=formats if len(opts.key_formats) > 1 else None),
         rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
                               key_centering=opts.key_centering, value_centering=opts.value_centering,

@@ -192,19 +192,23 @@ def int2_mask(positions: torch.Tensor, keys: int, side: Side | None, sink: int, 
 
 
 def bits_per_element(method: str, context: int, bundle=None) -> float:
-    """Average bits per cached K/V element at `context` tokens, BF16 windows, codes and metadata counted.
-
-    Per layer and side: the tokens past the sink that do not fill a whole block of the layer's token_block
-    outside the recent window stay BF16, the rest cost 2 + 16/G bits. A bundle's layers may differ (key
-    axis per layer): their figures are averaged."""
+    """Average bits per cached K/V element at `context` tokens over the KV layers, BF16 windows, codes and metadata
+    counted (quant.layer_bits_per_element): per layer, the tokens past the sink that do not fill a whole block of the
+    layer's token_block outside the recent window stay BF16, the rest cost 2 + 16/G bits; a sliding layer holds
+    only its window, and one that holds no INT2 (the bundle's rotation.windows beside rotation.layers) is a BF16
+    ring. Without a bundle: one global layer, groups of 64."""
     check_method(method)
     if method == "bf16":
         return float(quant.BF16_BITS)
     sink, recent = windows(method, bundle)
     d = 64 if bundle is None else bundle.manifest.model.head_dim
+    slide = {} if bundle is None else {int(i): w for i, w in (bundle.manifest.rotation.windows or {}).items()}
+    int2_layers = [0] if bundle is None else bundle_layers(bundle.manifest)
     out = []
-    for layer in ([0] if bundle is None else bundle_layers(bundle.manifest)):
+    for layer in int2_layers:
         lm = layer_method(method, layer, 1, d, bundle)
-        out += [quant.bits_per_element(context, side.group_size, sink, recent, lm.token_block)
-                for side in (lm.key, lm.value)]
+        out.append(quant.layer_bits_per_element(context, lm.key.group_size, lm.value.group_size, sink, recent,
+                                                lm.token_block, slide.get(layer)))
+    out += [quant.layer_bits_per_element(context, 0, 0, sink, recent, window=w, int2=False)
+            for i, w in slide.items() if i not in int2_layers]
     return sum(out) / len(out)

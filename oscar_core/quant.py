@@ -113,3 +113,17 @@ def bits_per_element(context: int, group_size: int = 64, sink_tokens: int = 64,
     quantized = max(context - sink_tokens - recent_tokens, 0) // token_block * token_block
     int2_bits = math.log2(LEVELS) + METADATA_BITS_PER_GROUP / group_size
     return ((context - quantized) * BF16_BITS + quantized * int2_bits) / context
+
+
+def layer_bits_per_element(context: int, key_group_size: int, value_group_size: int, sink_tokens: int,
+                           recent_tokens: int, token_block: int = 1, window: int | None = None,
+                           int2: bool = True) -> float:
+    """Bits per K/V element of one layer's cache at `context` tokens, over a cache of `context` tokens: a sliding
+    layer holds min(context, W) of them, all BF16 when it holds no INT2 (a ring); an INT2 layer costs
+    bits_per_element of what it holds, keys and values averaged."""
+    held = context if window is None else min(context, window)
+    if not int2:
+        return BF16_BITS * held / context
+    bits = sum(bits_per_element(held, g, sink_tokens, recent_tokens, token_block)
+               for g in (key_group_size, value_group_size)) / 2
+    return bits * held / context

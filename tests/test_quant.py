@@ -87,3 +87,18 @@ def test_quantizer_tests_pass_under_each_instruction_set(capability):
                              "not instruction_set", *tests], cwd=root, env=capability_env(capability),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_layer_bits_count_what_a_layer_holds():
+    from oscar_core.quant import layer_bits_per_element
+
+    # A global layer is bits_per_element; a block of 64 tokens leaves the window whole.
+    assert layer_bits_per_element(131072, 64, 64, 64, 256) == bits_per_element(131072)
+    # 1000 − 320 = 680 tokens past the windows: 10 whole blocks (640) are INT2, 360 tokens BF16.
+    assert layer_bits_per_element(1000, 64, 64, 64, 256, token_block=64) == bits_per_element(1000, token_block=64) \
+        == (360 * 16 + 640 * 2.25) / 1000
+    # A sliding layer holds its window only: a BF16 ring of 512 tokens is 16 bits over 512 of 32K tokens.
+    assert layer_bits_per_element(32768, 64, 64, 64, 256, window=512, int2=False) == 16 * 512 / 32768
+    assert layer_bits_per_element(256, 64, 64, 64, 256, window=512, int2=False) == 16
+    assert math.isclose(layer_bits_per_element(32768, 64, 64, 64, 256, window=4096),
+                        bits_per_element(4096) * 4096 / 32768)
