@@ -75,13 +75,9 @@ def _rotate(x, r_hi, r_lo, X_SPLIT: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
-def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
-    """quant.quantize + pack_int2 of y [BT, D] float32: (bytes uint8 [BT, D/4], scale codes uint8
-    [BT, D/G], zero codes int8 [BT, D/G])."""
-    NG: tl.constexpr = D // G
-    yg = tl.reshape(y, [BT, NG, G])
-    lo = tl.min(yg, axis=2)
-    hi = tl.max(yg, axis=2)
+def _group_params(lo, hi, clip):
+    """quant.quantize's parameters of groups with range [lo, hi]: (scale code, step, zero code), float32; the step
+    is widened until the zero code fits in int8."""
     mid = (hi + lo) / 2.0
     half = (hi - lo) / 2.0 * clip
     code = _scale_code(2.0 * half / 3.0, False)
@@ -94,6 +90,16 @@ def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
     step = tl.exp2((code - 128.0) / 8.0)
     zero = tl.where(overflow, _round(4.0 * (mid / step - 1.5)), zero)
     zero = tl.minimum(tl.maximum(zero, -128.0), 127.0)
+    return code, step, zero
+
+
+@triton.jit
+def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """quant.quantize + pack_int2 of y [BT, D] float32: (bytes uint8 [BT, D/4], scale codes uint8
+    [BT, D/G], zero codes int8 [BT, D/G])."""
+    NG: tl.constexpr = D // G
+    yg = tl.reshape(y, [BT, NG, G])
+    code, step, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip)
     q = _round(yg / step[:, :, None] - (zero / 4.0)[:, :, None])
     q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
     q = tl.reshape(q, [BT, D // 4, 4])
@@ -295,20 +301,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
 def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr):
     """quant.quantize down each column of y [BT, D] float32 (one group of BT tokens a channel), codes packed
     along the channels: (bytes uint8 [BT, D/4], scale codes uint8 [D], zero codes int8 [D])."""
-    lo = tl.min(y, axis=0)
-    hi = tl.max(y, axis=0)
-    mid = (hi + lo) / 2.0
-    half = (hi - lo) / 2.0 * clip
-    code = _scale_code(2.0 * half / 3.0, False)
-    step = tl.exp2((code - 128.0) / 8.0)
-    zero = _round(4.0 * (mid / step - 1.5))
-    overflow = (zero < -128.0) | (zero > 127.0)
-    lowest = tl.abs(mid - 1.5 * step)
-    wide = _scale_code(lowest * 4.0 / 127.0, True)
-    code = tl.where(overflow, tl.maximum(code, wide), code)
-    step = tl.exp2((code - 128.0) / 8.0)
-    zero = tl.where(overflow, _round(4.0 * (mid / step - 1.5)), zero)
-    zero = tl.minimum(tl.maximum(zero, -128.0), 127.0)
+    code, step, zero = _group_params(tl.min(y, axis=0), tl.max(y, axis=0), clip)
     q = _round(y / step[None, :] - (zero / 4.0)[None, :])
     q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
     q = tl.reshape(q, [BT, D // 4, 4])
