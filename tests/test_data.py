@@ -24,6 +24,21 @@ def test_default_corpora_are_real_disjoint_english():
     assert held[:2000] not in calib
 
 
+def test_default_heldout_text_ships_with_oscar(monkeypatch, tmp_path):
+    """The held-out default is the packaged file, read the same with no idlelib installed (the GPU image's Python)."""
+    import sysconfig
+
+    from oscar_core.data import HELDOUT_FILE, HELDOUT_SEPARATOR
+
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path)})
+    assert HELDOUT_FILE.parent.name == "corpus" and HELDOUT_FILE.parent.parent.name == "oscar_core"
+    header, body = HELDOUT_FILE.read_text(encoding="utf-8").split("\n", 1)
+    assert "Python Software Foundation License" in header and "idlelib" in header
+    docs = list(texts("default-heldout"))
+    assert docs == body.split(HELDOUT_SEPARATOR) and len(docs) == 8
+    assert docs[0].startswith("IDLE") and "What's New in IDLE" in docs[1] and sum(map(len, docs)) > 150_000
+
+
 def test_windows_and_deterministic_sampling():
     windows = list(token_windows(["a" * 50, "b" * 50], CharTokenizer(), 16))
     assert all(w.shape == (16,) for w in windows) and len(windows) == 102 // 16

@@ -28,7 +28,7 @@ Examples:
 def eval_command(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory (<zoo>/<org>/<model>/<version>).")],
     model: Annotated[Optional[str], typer.Option(help="Hub id, directory or .gguf; default: the embedded SmolLM2-135M.")] = None,
-    data: Annotated[str, typer.Option(help="Held-out text source (default: Python's idlelib docs).")] = DEFAULT_HELDOUT,
+    data: Annotated[str, typer.Option(help="Held-out text source (default: IDLE's docs, shipped with oscar).")] = DEFAULT_HELDOUT,
     context: Annotated[Optional[list[int]], typer.Option(help="Context length; repeat for several.")] = None,
     methods_: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of {','.join(methods.METHODS)}.")] = ",".join(methods.METHODS),
     samples: Annotated[int, typer.Option(help="Perplexity windows per context length.")] = 2,
