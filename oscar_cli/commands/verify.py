@@ -23,6 +23,7 @@ Examples:
 """
 GATE = (f"FAIL (exit 1) when OSCAR's next-token KL or perplexity is worse than KIVI-style INT2's, or its KL is above "
         f"--max-kl (default: the manifest's max_kl, else {DEFAULT_MAX_KL} nats)")
+SIDES = ("attention", "key", "value")
 NAMES = {"oscar": "OSCAR", "compare": "other", "kivi": "KIVI", "hadamard": "Hadamard", "int2": "none"}
 
 
@@ -80,10 +81,13 @@ def _print_report(report: dict) -> None:
     _print_end_to_end(report)
     verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
     e2e = report["end_to_end"]
-    console.print(f"{verdict} OSCAR next-token KL {e2e['kl']:.4f} nats (KIVI-style {e2e['kivi_kl']:.4f}, bound "
-                  f"{report['max_kl']}), perplexity {e2e['ppl']:.3f} (KIVI-style {e2e['kivi_ppl']:.3f}); "
-                  f"{GATE}" + (f", or its mean logit error is above {report['max_logit_error']}"
-                               if report.get("max_logit_error") is not None else ""))
+    figures = f"OSCAR next-token KL {e2e['kl']:.4f} nats"
+    if "kivi_kl" in e2e:
+        figures += (f" (KIVI-style {e2e['kivi_kl']:.4f}, bound {report.get('max_kl')}), perplexity {e2e['ppl']:.3f} "
+                    f"(KIVI-style {e2e['kivi_ppl']:.3f})")
+    extra = report.get("max_logit_error")
+    console.print(f"{verdict} {figures}; {GATE}"
+                  + (f", or its mean logit error {report['mean']['oscar_key']:.4f} is above {extra}" if extra else ""))
 
 
 def _print_layers(report: dict) -> None:
@@ -91,15 +95,17 @@ def _print_layers(report: dict) -> None:
     rows_all, mm = [dict(r) for r in report["layers"]], dict(report["mean"])
     if other:  # the compared bundle's OSCAR figures as columns of this table
         for row, theirs in zip(rows_all, other["layers"]):
-            row.update({f"compare_{s}": theirs[f"oscar_{s}"] for s in ("key", "value", "attention")})
-        mm.update({f"compare_{s}": other["mean"][f"oscar_{s}"] for s in ("key", "value", "attention")})
+            row.update({f"compare_{s}": theirs[f"oscar_{s}"] for s in SIDES if f"oscar_{s}" in theirs})
+        mm.update({f"compare_{s}": other["mean"][f"oscar_{s}"] for s in SIDES if f"oscar_{s}" in other["mean"]})
     per_layer: dict[int, list[dict]] = {}
     for row in rows_all:
         per_layer.setdefault(row["layer"], []).append(row)
-    compared = [m for m in ("oscar", "compare", "kivi", "hadamard", "int2") if f"{m}_key" in mm]
-    sides = {"attention": compared, "key": compared, "value": compared}
-    table = Table(title=f"INT2 error by layer, worst attention error first ({report['path']}, "
-                        f"{report['samples']} × {report['seq_len']} tokens)",
+    order = ("oscar", "compare", "kivi", "hadamard", "int2")
+    sides = {s: [m for m in order if f"{m}_{s}" in mm] for s in SIDES}
+    sides = {s: ms for s, ms in sides.items() if ms}
+    rank = "oscar_attention" if "oscar_attention" in mm else "oscar_key"
+    table = Table(title=f"INT2 error by layer, worst {rank.split('_')[1]} error first ({report['path']}, "
+                        f"{_size(report)})",
                   caption=None if other is None else f"other: {other['name']} {other['version']} ({other['bundle']})")
     table.add_column("layer", justify="right")
     for side, ms in sides.items():
@@ -109,7 +115,7 @@ def _print_layers(report: dict) -> None:
     if kernel:
         table.add_column("decode kernel", justify="right")
     mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
-    for layer in layer_ranking(rows_all):
+    for layer in layer_ranking(rows_all, rank):
         rows = per_layer[layer]
         cells = [str(layer)] + [f"{mean(rows, f'{x}_{s}'):.4f}" for s, ms in sides.items() for x in ms]
         table.add_row(*cells, *([f"{kernel[layer]:.4f}"] if kernel else []))
@@ -117,15 +123,19 @@ def _print_layers(report: dict) -> None:
     table.add_row("mean", *[f"{mm[f'{x}_{s}']:.4f}" for s, ms in sides.items() for x in ms],
                   *([f"{sum(kernel.values()) / len(kernel):.4f}"] if kernel else []))
     console.print(table)
-    worst = per_layer[report["worst_layer"]] if "worst_layer" in report else per_layer[layer_ranking(rows_all)[0]]
-    console.print(f"worst layer: {worst[0]['layer']} (OSCAR attention error {mean(worst, 'oscar_attention'):.4f}"
-                  + (f", KIVI-style {mean(worst, 'kivi_attention'):.4f}" if "kivi_attention" in worst[0] else "")
-                  + ")")
+    worst = per_layer[layer_ranking(rows_all, rank)[0]]
+    side = rank.split("_")[1]
+    console.print(f"worst layer: {worst[0]['layer']} (OSCAR {side} error {mean(worst, rank):.4f}"
+                  + (f", KIVI-style {mean(worst, f'kivi_{side}'):.4f}" if f"kivi_{side}" in worst[0] else "") + ")")
+
+
+def _size(report: dict) -> str:
+    return f"{report['samples']} × {report['seq_len']} tokens" if "seq_len" in report else "held-out tokens"
 
 
 def _print_end_to_end(report: dict) -> None:
     e2e, other = report["end_to_end"], report.get("compare")
-    table = Table(title=f"end to end vs BF16, {report['samples']} × {report['seq_len']} tokens "
+    table = Table(title=f"end to end vs BF16, {_size(report)} "
                         f"(default {DEFAULT_SEQ_LEN['cuda']} on CUDA, {DEFAULT_SEQ_LEN['cpu']} on the CPU)")
     for col in ("cache", "next-token KL (nats)", "top-1 agreement", "perplexity"):
         table.add_column(col, justify="right" if col != "cache" else "left")
