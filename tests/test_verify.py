@@ -34,6 +34,7 @@ def report_with(kl=0.01, kivi_kl=0.02, ppl=20.0, kivi_ppl=21.0, logit=0.2):
 
 def test_the_gate_fails_a_bundle_that_loses_to_kivi_or_passes_the_kl_bound():
     assert gate(report_with(), DEFAULT_MAX_KL) == []
+    assert gate(report_with(kl=0.0205, ppl=21.01), DEFAULT_MAX_KL) == []  # ties: within 0.001 nats and 0.1%
     assert gate(report_with(kl=0.03), DEFAULT_MAX_KL) == [
         "OSCAR loses to KIVI-style: next-token KL 0.0300 > 0.0200 nats"]
     assert gate(report_with(ppl=21.5), DEFAULT_MAX_KL) == ["OSCAR loses to KIVI-style: perplexity 21.500 > 21.000"]
