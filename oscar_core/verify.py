@@ -315,7 +315,8 @@ HEADLINE = {  # figure name → (report section, key)
     "hadamard_attention_error": ("mean", "hadamard_attention"),
     "logit_error": ("mean", "oscar_key"), "hadamard_logit_error": ("mean", "hadamard_key"),
     "output_error": ("mean", "oscar_value"), "hadamard_output_error": ("mean", "hadamard_value"),
-    "kl": ("end_to_end", "kl"), "kivi_kl": ("end_to_end", "kivi_kl"), "top1_agreement": ("end_to_end", "top1_agreement"),
+    "kl": ("end_to_end", "kl"), "kivi_kl": ("end_to_end", "kivi_kl"),
+    "top1_agreement": ("end_to_end", "top1_agreement"),
     "ppl": ("end_to_end", "ppl"), "kivi_ppl": ("end_to_end", "kivi_ppl"), "bf16_ppl": ("end_to_end", "bf16_ppl"),
 }
 

@@ -86,8 +86,8 @@ def _print_report(report: dict) -> None:
         figures += (f" (KIVI-style {e2e['kivi_kl']:.4f}, bound {report.get('max_kl')}), perplexity {e2e['ppl']:.3f} "
                     f"(KIVI-style {e2e['kivi_ppl']:.3f})")
     extra = report.get("max_logit_error")
-    console.print(f"{verdict} {figures}; {GATE}"
-                  + (f", or its mean logit error {report['mean']['oscar_key']:.4f} is above {extra}" if extra else ""))
+    console.print(f"{verdict} {figures}")
+    console.print(f"[dim]gate: {GATE}" + (f", or its mean logit error is above {extra}" if extra else "") + "[/]")
 
 
 def _print_layers(report: dict) -> None:
