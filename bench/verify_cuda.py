@@ -32,7 +32,7 @@ def main():
     p.add_argument("bundle")
     p.add_argument("--model", required=True)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--data", default="default-heldout", help="held-out text (a file where Python lacks idlelib)")
+    p.add_argument("--data", default="default-heldout", help="held-out text (default: the IDLE docs shipped with oscar)")
     p.add_argument("--out", default="bench/results/verify_cuda.md")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

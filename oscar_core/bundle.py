@@ -144,6 +144,8 @@ class Manifest(Strict):
     tool: ToolInfo = ToolInfo()
     max_logit_error: float = Field(0.5, description="oscar verify fails when the OSCAR logit error passes this")
     fidelity: dict[str, float] | None = Field(None, description="verify figures, when recorded")
+    max_kl: float | None = Field(None, gt=0, description="oscar verify fails when OSCAR's next-token KL (nats) passes "
+                                 "this; unset: verify's default (0.1)")
     source: SourceInfo | None = Field(None, description="provenance of an imported bundle")
 
 
@@ -206,7 +208,7 @@ def canonical_header(data: bytes) -> bytes:
 
 def manifest_json(manifest: Manifest) -> str:
     """Canonical JSON; the optional fields added after schema 1 shipped (source, rotation.layers, .windows,
-    .layers_reason, quant.layers) are left out when unset, so manifests written before them keep their bytes."""
+    .layers_reason, quant.layers, max_kl) are left out when unset, so manifests written before them keep their bytes."""
     dump = manifest.model_dump(mode="json")
     if dump["source"] is None:
         del dump["source"]
@@ -215,6 +217,8 @@ def manifest_json(manifest: Manifest) -> str:
             del dump["rotation"][name]
     if dump["quant"]["layers"] is None:
         del dump["quant"]["layers"]
+    if dump["max_kl"] is None:
+        del dump["max_kl"]
     return canonical_json(dump)
 
 

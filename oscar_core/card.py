@@ -135,7 +135,11 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
         lines.append("")
     else:
         lines += ["No verify or eval figures were recorded for this bundle.", ""]
-    lines.append(f"`oscar verify` fails this bundle when its attention-logit error passes {manifest.max_logit_error}.")
+    from oscar_core.verify import DEFAULT_MAX_KL
+
+    lines.append(f"`oscar verify` fails this bundle when, with its INT2 cache, the model's next-token KL against BF16 "
+                 f"passes {manifest.max_kl or DEFAULT_MAX_KL} nats or its next-token KL or perplexity is worse than "
+                 "with a KIVI-style INT2 cache.")
 
     if upstream_files:
         first = next(iter(upstream_files))

@@ -1,29 +1,54 @@
-"""`oscar verify`: check a bundle, then measure what its INT2 cache does to attention and to the logits.
+"""`oscar verify`: check a bundle, then measure what its INT2 cache does to attention and to the model, and gate it.
+
+run_verify(VerifyRequest) is the whole check; the command only parses flags and renders the report.
 
 Checks: manifest schema, checksum, tensor names and shapes (bundle.load_bundle), orthogonality of every
 rotation, clip thresholds in (0, 1], finite means, and the model's attention facts against the manifest.
-Measurements on held-out text, per layer and KV head, all at the same bits (INT2, groups of G):
-    key logit error ‖Q(K̂−K)^T‖/‖QK^T‖ and value output error ‖S(V̂−V)‖/‖SV‖   (fidelity.py)
-for OSCAR (the bundle), Hadamard-only (QuaRot-style) and no rotation; and, end to end, the KL divergence
-and top-1 agreement of the model's next-token distribution with the OSCAR INT2 cache against BF16
-(simulate.py). On CUDA the INT2 write path is the Triton kernel and the decode kernel is checked
-against exact attention at the last position; on CPU the torch reference runs.
+
+Per layer and KV head, on held-out queries Q, keys K and values V (post-RoPE, fidelity.capture_attention), for
+OSCAR (the bundle), KIVI-style, Hadamard (QuaRot-style) and no rotation, K̂ and V̂ as each method stores them
+(methods.layer_method: per-token or per-channel keys; the first sink tokens exact), S = causal softmax:
+    attention error ‖softmax(s·QK̂ᵀ)V̂ − softmax(s·QKᵀ)V‖ / ‖softmax(s·QKᵀ)V‖      (what the layer outputs)
+    key logit error ‖Q(K̂−K)ᵀ‖/‖QKᵀ‖,  value output error ‖S(V̂−V)‖/‖SV‖          (each side alone)
+over LAYER_QUERIES query positions spread evenly past the sink, against every key before them. The logit error
+is relative to the logits' own size, so a layer with huge logits looks good on it while INT2 noise of a few
+logits flattens its attention; the attention error sees that.
+
+End to end (simulate.py: every query reads what the INT2 cache would hold when it is decoded, recent window
+in BF16): next-token KL against BF16, top-1 agreement and perplexity of each method, and BF16 perplexity, at
+a long context (default 4,096 tokens on CUDA, 2,048 on the CPU; the model's context limit caps the default).
+
+The gate: FAIL when OSCAR's next-token KL is above KIVI-style's (by more than KL_TIE = 0.001 nats), or its
+perplexity is above KIVI-style's (by more than PPL_TIE = 0.1%), or its KL is above max_kl (--max-kl; default
+the manifest's max_kl, else DEFAULT_MAX_KL nats); and, only when given, when its mean key logit error is above
+--max-logit-error.
+On CUDA the INT2 write path of OSCAR's per-token sides is the Triton kernel and the decode kernel is checked
+against exact attention at the last position; on the CPU the torch reference runs.
 """
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from oscar_core import methods
 from oscar_core.bundle import Bundle, Manifest, ModelInfo, bundle_layers
+from oscar_core.data import DEFAULT_HELDOUT
 from oscar_core.errors import OscarError
-from oscar_core.fidelity import capture_attention, key_error, value_error
-from oscar_core.metrics import causal_attention, kl_divergence, relative_error, top1_agreement
+from oscar_core.fidelity import capture_attention, roundtrip
+from oscar_core.metrics import causal_attention, logit_error, relative_error
 from oscar_core.rotations import orthogonality_error
 
 ORTHOGONALITY_TOLERANCE = 1e-5
 VERIFY_FILE = "verify.json"  # `oscar verify --record` writes the headline figures beside the bundle
-COMPARED = ("oscar", "hadamard", "int2")
+COMPARED = ("oscar", "kivi", "hadamard", "int2")  # per layer and end to end, at the same bits
+DEFAULT_SEQ_LEN = {"cuda": 4096, "cpu": 2048}        # held-out tokens per sample, by device type
+DEFAULT_MAX_KL = 0.1                                  # nats, when the manifest sets no max_kl
+LAYER_QUERIES = 512                                   # query positions per layer measurement
+LOGIT_CHUNK = 512                                     # positions whose logits are made at once
+KL_TIE, PPL_TIE = 1e-3, 1e-3  # OSCAR loses to KIVI-style by more than this much KL (nats) / relative perplexity
 FACTS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
@@ -81,30 +106,53 @@ def first_failure(checks: list[Check]) -> str | None:
     return None if bad is None else f"{bad.name}: {bad.detail}"
 
 
-def _side_tensors(method: str, side: str, layer: int, kv_heads: int, head_dim: int, bundle: Bundle):
-    s = getattr(methods.layer_method(method, layer, kv_heads, head_dim, bundle), side)
-    rotation = s.rotation if s.rotation is not None else torch.eye(head_dim).expand(kv_heads, head_dim, head_dim)
-    return rotation.double(), s.mean, s.clip
+def restored(side: methods.Side | None, x: torch.Tensor, sink: int, write=None) -> torch.Tensor:
+    """x [KVH, T, d] as the method's INT2 cache gives it back (float64, original space, first `sink` tokens exact).
+
+    Per-token sides go through fidelity.roundtrip (the Triton write kernel when `write` is given); per-channel
+    sides through methods.fake, blocks of G tokens from the sink on (a trailing partial block stays exact)."""
+    if side is None:
+        return x.double()
+    if side.axis == "token":
+        d = x.shape[-1]
+        rotation = side.rotation if side.rotation is not None else torch.eye(d).expand(x.shape[0], d, d)
+        mean = None if side.mean is None else side.mean.to(x.device)
+        clip = side.clip.to(x.device) if isinstance(side.clip, torch.Tensor) else side.clip
+        return roundtrip(x, rotation.to(x.device).double(), mean, clip, side.group_size, sink, write)
+    return torch.cat([x[:, :sink].double(), methods.fake(side, x[:, sink:]).double()], dim=1)
 
 
-def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED) -> list[dict]:
-    """Per layer with rotations (bundle_layers: a hybrid model's attention layers) and KV head: key and value
-    error of each compared method."""
+def query_positions(t: int, sink: int, n: int = LAYER_QUERIES) -> torch.Tensor | None:
+    """n query positions spread evenly over [sink, t) (None: every position, when that is no more)."""
+    if t - sink <= n:
+        return None
+    return torch.linspace(sink, t - 1, n).round().long().unique()
+
+
+def layer_errors(held: dict, bundle: Bundle, write=None, compared=COMPARED, positions: int | None = None) -> list[dict]:
+    """Per layer with rotations (bundle_layers: a hybrid model's attention layers) and KV head: key logit error,
+    value output error and attention error of each compared method (module doc). positions: measure LAYER_QUERIES
+    (or this many) query positions past the sink; None: every position."""
     m = bundle.manifest
-    kv, d, g, sink = m.model.num_kv_heads, m.model.head_dim, m.quant.key_group_size, m.quant.sink_tokens
+    kv, d, sink = m.model.num_kv_heads, m.model.head_dim, m.quant.sink_tokens
     rows = []
     for layer in bundle_layers(m):
         q, k, v, scaling = held[layer]
-        window = (m.rotation.windows or {}).get(str(layer))   # a sliding layer's values are read in its window
+        t = k.shape[1]
+        window = (m.rotation.windows or {}).get(str(layer))   # a sliding layer reads its window
+        pos = None if positions is None else query_positions(t, sink, positions)
+        pos = torch.arange(t) if pos is None else pos
+        qs = q[:, pos.to(q.device)].reshape(kv, -1, d)  # the group's query heads stacked as rows
+        qpos = pos.repeat(qs.shape[1] // len(pos)).to(k.device)
+        exact = causal_attention(qs, k, v, scaling, qpos, window)
         errors = {}
         for method in compared:
-            r, mean, clip = (x.to(k.device) if isinstance(x, torch.Tensor) else x
-                             for x in _side_tensors(method, "key", layer, kv, d, bundle))
-            errors[f"{method}_key"] = key_error(q, k, r, mean, clip, g, sink, write if method == "oscar" else None)
-            r, mean, clip = (x.to(k.device) if isinstance(x, torch.Tensor) else x
-                             for x in _side_tensors(method, "value", layer, kv, d, bundle))
-            errors[f"{method}_value"] = value_error(q, k, v, scaling, r, mean, clip, m.quant.value_group_size, sink,
-                                                    write if method == "oscar" else None, window)
+            lm = methods.layer_method(method, layer, kv, d, bundle)
+            w = write if method == "oscar" else None
+            k_hat, v_hat = restored(lm.key, k, sink, w), restored(lm.value, v, sink, w)
+            errors[f"{method}_key"] = logit_error(qs, k, k_hat)
+            errors[f"{method}_value"] = relative_error(causal_attention(qs, k, v_hat, scaling, qpos, window), exact)
+            errors[f"{method}_attention"] = relative_error(causal_attention(qs, k_hat, v_hat, scaling, qpos, window), exact)
         for head in range(kv):
             rows.append({"layer": layer, "kv_head": head, **{k: float(e[head]) for k, e in errors.items()}})
     return rows
@@ -126,7 +174,8 @@ def decode_kernel_errors(held: dict, bundle: Bundle) -> list[float]:
                                       ("key_rotation", "value_rotation", "key_clip", "value_clip")),
                                     key_mean=bundle.layer(layer, "key_mean"), value_mean=bundle.layer(layer, "value_mean"))
         cache = kvstore.empty_cache(1, k.shape[0], k.shape[2], t, m.quant.key_group_size, m.quant.value_group_size,
-                                    m.quant.sink_tokens, m.quant.recent_tokens, device=k.device)
+                                    m.quant.sink_tokens, m.quant.recent_tokens, device=k.device,
+                                    key_axis=bundle.key_axis(layer))
         kvstore.prefill(cache, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                         torch.tensor([t], device=k.device), rot, write=write_int2)
         o = decode_attention(q[None, :, -1].to(torch.bfloat16), cache, rot.key_rotation, rot.value_rotation,
@@ -138,16 +187,42 @@ def decode_kernel_errors(held: dict, bundle: Bundle) -> list[float]:
     return out
 
 
-def next_token_effect(model, ids: torch.Tensor, bundle: Bundle) -> dict:
-    """KL(BF16 ‖ OSCAR INT2) and top-1 agreement of next-token distributions over every position."""
+def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@torch.inference_mode()
+def end_to_end(model, ids: torch.Tensor, runs: dict[str, tuple[str, Bundle]]) -> dict[str, dict]:
+    """Per run (name → (method, bundle)) on one sample ids [1, T]: KL(BF16 ‖ run) and top-1 agreement of the
+    next-token distributions over every position, and perplexity over the T − 1 targets; "bf16": its perplexity.
+    Each run is one teacher-forced forward through simulate_int2; logits are made LOGIT_CHUNK positions at a time."""
     from oscar_core.simulate import simulate_int2
 
-    with torch.inference_mode():
-        with simulate_int2(model, "bf16", bundle):
-            reference = model(input_ids=ids).logits
-        with simulate_int2(model, "oscar", bundle):
-            logits = model(input_ids=ids).logits
-    return {"kl": float(kl_divergence(logits, reference)), "top1_agreement": float(top1_agreement(logits, reference))}
+    def hidden(method, bundle):
+        with simulate_int2(model, method, bundle):
+            return model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
+
+    reference = hidden("bf16", next(iter(runs.values()))[1])
+    states = {name: hidden(method, bundle) for name, (method, bundle) in runs.items()}
+    targets, t = ids[0, 1:], ids.shape[1]
+    sums = {name: {"kl": 0.0, "top1": 0.0, "nll": 0.0} for name in ("bf16", *runs)}
+    for a in range(0, t, LOGIT_CHUNK):
+        b = min(a + LOGIT_CHUNK, t)
+        tgt = targets[a:b]
+        ref = torch.log_softmax(_logits(model, reference[a:b]).double(), -1)
+        sums["bf16"]["nll"] += float(-ref[: len(tgt)].gather(-1, tgt[:, None]).sum())
+        for name, h in states.items():
+            out = torch.log_softmax(_logits(model, h[a:b]).double(), -1)
+            sums[name]["kl"] += float((ref.exp() * (ref - out)).sum())
+            sums[name]["top1"] += float((out.argmax(-1) == ref.argmax(-1)).sum())
+            sums[name]["nll"] += float(-out[: len(tgt)].gather(-1, tgt[:, None]).sum())
+    figures = {"bf16": {"ppl": math.exp(sums["bf16"]["nll"] / len(targets))}}
+    for name in runs:
+        figures[name] = {"kl": sums[name]["kl"] / t, "top1_agreement": sums[name]["top1"] / t,
+                         "ppl": math.exp(sums[name]["nll"] / len(targets))}
+    return figures
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -155,46 +230,87 @@ def summarize(rows: list[dict]) -> dict:
     return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
 
 
-def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool, compare: Bundle | None = None) -> dict:
-    """The measurement part of a verify report (checks are made by the caller first).
+def layer_ranking(rows: list[dict], key: str = "oscar_attention") -> list[int]:
+    """Layers by their mean (over KV heads) of `key`, worst first."""
+    per: dict[int, list[float]] = {}
+    for r in rows:
+        per.setdefault(r["layer"], []).append(r[key])
+    return sorted(per, key=lambda layer: -sum(per[layer]) / len(per[layer]))
+
+
+def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool, compare: Bundle | None = None,
+           compared=COMPARED, positions: int | None = LAYER_QUERIES) -> dict:
+    """The measurement part of a verify report for one sample ids [1, T] (checks are made first).
 
     compare: a second bundle for the same model (e.g. one imported from the upstream format), measured on the
     same held-out tokens; its OSCAR figures go to report["compare"]."""
     model = loaded.model
     device = next(model.parameters()).device
-    bundle = bundle.model_copy(update={"tensors": {k: v.to(device) for k, v in bundle.tensors.items()}})
-    held = capture_attention(model, ids.to(device))
+    on = lambda b: b.model_copy(update={"tensors": {k: v.to(device) for k, v in b.tensors.items()}})  # noqa: E731
+    bundle = on(bundle)
+    ids = ids.to(device)
+    held = capture_attention(model, ids)
     write = None
     if use_kernels:
         from oscar_core.triton.write import write_int2 as write
-    rows = layer_errors(held, bundle, write)
+    rows = layer_errors(held, bundle, write, compared, positions)
+    runs = {m: (m, bundle) for m in compared}
+    if compare is not None:
+        compare = on(compare)
+        runs["compare"] = ("oscar", compare)
+    figures = end_to_end(model, ids, runs)
+    e2e = {}
+    for run, f in figures.items():
+        if run != "compare":
+            e2e.update({(k if run == "oscar" else f"{run}_{k}"): v for k, v in f.items()})
     report = {"path": "triton" if use_kernels else "torch reference", "layers": rows, "mean": summarize(rows),
-              "end_to_end": next_token_effect(model, ids.to(device), bundle)}
+              "end_to_end": e2e}
     if use_kernels:
         report["decode_kernel_error"] = decode_kernel_errors(held, bundle)
     if compare is not None:
-        compare = compare.model_copy(update={"tensors": {k: v.to(device) for k, v in compare.tensors.items()}})
-        rows = layer_errors(held, compare, write, ("oscar",))
-        report["compare"] = {"layers": rows, "mean": summarize(rows),
-                             "end_to_end": next_token_effect(model, ids.to(device), compare)}
+        rows = layer_errors(held, compare, write, ("oscar",), positions)
+        report["compare"] = {"layers": rows, "mean": summarize(rows), "end_to_end": figures["compare"]}
     return report
+
+
+def _average(key: str, xs: list[float]) -> float:
+    """Mean over samples; perplexities (equal-length windows) by their geometric mean, i.e. exp(mean NLL)."""
+    if key.endswith("ppl"):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+    return sum(xs) / len(xs)
 
 
 def merge_reports(reports: list[dict]) -> dict:
     """Average per-sample reports (same layers and heads) into one."""
     first = reports[0]
-    avg = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    layers = [{k: (v if k in ("layer", "kv_head") else avg([r["layers"][i][k] for r in reports]))
+    layers = [{k: (v if k in ("layer", "kv_head") else _average(k, [r["layers"][i][k] for r in reports]))
                for k, v in row.items()} for i, row in enumerate(first["layers"])]
     merged = {"path": first["path"], "layers": layers,
-              "mean": {k: avg([r["mean"][k] for r in reports]) for k in first["mean"]},
-              "end_to_end": {k: avg([r["end_to_end"][k] for r in reports]) for k in first["end_to_end"]}}
+              "mean": {k: _average(k, [r["mean"][k] for r in reports]) for k in first["mean"]},
+              "end_to_end": {k: _average(k, [r["end_to_end"][k] for r in reports]) for k in first["end_to_end"]}}
     if "decode_kernel_error" in first:
-        merged["decode_kernel_error"] = [avg(v) for v in zip(*(r["decode_kernel_error"] for r in reports))]
+        merged["decode_kernel_error"] = [sum(v) / len(v) for v in zip(*(r["decode_kernel_error"] for r in reports))]
     if "compare" in first:
         merged["compare"] = merge_reports([{"path": r["path"], **r["compare"]} for r in reports])
         del merged["compare"]["path"]
     return merged
+
+
+def gate(report: dict, max_kl: float, max_logit_error: float | None = None) -> list[str]:
+    """Why the bundle fails (empty: it passes), one phrase per reason (module doc). Differences from KIVI-style
+    within KL_TIE nats and PPL_TIE relative perplexity are ties (a context too short for KIVI-style to quantize
+    a key block gives two caches that differ only in rounding)."""
+    e2e, reasons = report["end_to_end"], []
+    if e2e["kl"] > max_kl:
+        reasons.append(f"OSCAR's next-token KL {e2e['kl']:.4f} nats is above the bound {max_kl}")
+    if e2e["kl"] > e2e["kivi_kl"] + KL_TIE:
+        reasons.append(f"OSCAR loses to KIVI-style: next-token KL {e2e['kl']:.4f} > {e2e['kivi_kl']:.4f} nats")
+    if e2e["ppl"] > e2e["kivi_ppl"] * (1 + PPL_TIE):
+        reasons.append(f"OSCAR loses to KIVI-style: perplexity {e2e['ppl']:.3f} > {e2e['kivi_ppl']:.3f}")
+    if max_logit_error is not None and report["mean"]["oscar_key"] > max_logit_error:
+        reasons.append(f"OSCAR mean logit error {report['mean']['oscar_key']:.4f} is above the threshold "
+                       f"{max_logit_error}")
+    return reasons
 
 
 def measure_figures(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool = False) -> dict[str, float]:
@@ -202,13 +318,22 @@ def measure_figures(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool
     return headline(merge_reports([verify(loaded, bundle, ids[i:i + 1], use_kernels) for i in range(ids.shape[0])]))
 
 
+HEADLINE = {  # figure name → (report section, key)
+    "attention_error": ("mean", "oscar_attention"), "kivi_attention_error": ("mean", "kivi_attention"),
+    "hadamard_attention_error": ("mean", "hadamard_attention"),
+    "logit_error": ("mean", "oscar_key"), "hadamard_logit_error": ("mean", "hadamard_key"),
+    "output_error": ("mean", "oscar_value"), "hadamard_output_error": ("mean", "hadamard_value"),
+    "kl": ("end_to_end", "kl"), "kivi_kl": ("end_to_end", "kivi_kl"),
+    "top1_agreement": ("end_to_end", "top1_agreement"),
+    "ppl": ("end_to_end", "ppl"), "kivi_ppl": ("end_to_end", "kivi_ppl"), "bf16_ppl": ("end_to_end", "bf16_ppl"),
+}
+
+
 def headline(report: dict) -> dict[str, float]:
-    """The figures a zoo table or model card shows, rounded: OSCAR vs Hadamard, and end to end."""
-    mean, e2e = report["mean"], report["end_to_end"]
-    figures = {"logit_error": mean["oscar_key"], "hadamard_logit_error": mean["hadamard_key"],
-               "output_error": mean["oscar_value"], "hadamard_output_error": mean["hadamard_value"],
-               "kl": e2e["kl"], "top1_agreement": e2e["top1_agreement"]}
-    return {k: round(v, 4) for k, v in figures.items()}
+    """The figures a zoo table or model card shows, rounded: OSCAR against KIVI-style and Hadamard, per layer
+    (means) and end to end."""
+    return {name: round(report[section][key], 4) for name, (section, key) in HEADLINE.items()
+            if key in report[section]}
 
 
 def recorded_figures(bundle_dir) -> dict[str, float] | None:
@@ -251,3 +376,94 @@ def resolve_model_spec(model: str | None, manifest_model: ModelInfo, source: str
         raise OscarError(f"the bundle was calibrated on a local model ({manifest_model.id}) and records no path to "
                          "it: pass --model (a directory, .gguf file or hub id)")
     return manifest_model.id
+
+
+@dataclass
+class VerifyRequest:
+    """What `oscar verify` checks: a bundle (and optionally a second one to compare), on which model and text."""
+    bundle: Path
+    model: str | None = None            # default: resolve_model_spec
+    data: str = DEFAULT_HELDOUT
+    samples: int = 1
+    seq_len: int | None = None          # default: DEFAULT_SEQ_LEN of the device, capped by the model's context
+    seed: int = 0
+    device: str | None = None           # default: cuda when available
+    dtype: str | None = None
+    compare: Path | None = None
+    checks_only: bool = False
+    max_kl: float | None = None         # default: the manifest's max_kl, else DEFAULT_MAX_KL
+    max_logit_error: float | None = None  # an extra gate, only when given
+
+
+def default_seq_len(device: str) -> int:
+    return DEFAULT_SEQ_LEN["cuda" if device.startswith("cuda") else "cpu"]
+
+
+def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None) -> dict:
+    """The whole check (module doc): bundle checks, model resolution and loading, model checks, held-out samples,
+    measurements, merging and the gate. Returns the JSON-ready report (report["passed"], report["reason"]); a
+    failed bundle or model check, or a request that cannot run, raises OscarError in one line."""
+    from oscar_core.bundle import load_bundle
+    from oscar_core.data import load_samples
+    from oscar_core.models import load_model, resolve_device
+
+    step = on_step or (lambda s: None)
+    if req.samples < 1:
+        raise OscarError("--samples must be at least 1")
+    b = load_bundle(req.bundle)
+    m = b.manifest
+    checks = check_tensors(b)
+    other = None
+    if req.compare is not None:
+        other = load_bundle(req.compare)
+        checks += [Check(f"compared: {c.name}", c.ok, c.detail) for c in check_tensors(other)]
+    failure = first_failure(checks)
+    if failure:
+        raise OscarError(f"bundle check failed: {failure}")
+    report = {"bundle": str(b.path), "name": m.name, "version": m.version}
+    if req.checks_only:
+        return {**report, "checks": [c.__dict__ for c in checks], "checks_only": True, "passed": True, "reason": None}
+    device = resolve_device(req.device)
+    step("loading the model")
+    loaded = load_model(resolve_model_spec(req.model, m.model, m.calibration.model_source), device, req.dtype)
+    checks += [check_model(m.model, loaded.info), check_layers(m, loaded.model.config)]
+    if other is not None:
+        for c in (check_model(other.manifest.model, loaded.info), check_layers(other.manifest, loaded.model.config)):
+            checks.append(Check(f"compared: {c.name}", c.ok, c.detail))
+    failure = first_failure(checks)
+    if failure:
+        raise OscarError(f"bundle check failed: {failure}")
+    limit, notes = loaded.info.max_position_embeddings, []
+    seq_len = req.seq_len
+    if seq_len is None:
+        seq_len = default_seq_len(device)
+        if limit and seq_len > limit:
+            notes.append(f"the default of {seq_len} tokens is above the model's context of {limit}: {limit} used")
+            seq_len = limit
+    elif limit and seq_len > limit:
+        raise OscarError(f"--seq-len {seq_len} is above the model's limit of {limit}")
+    step(f"drawing {req.samples} × {seq_len} held-out tokens")
+    ids, fingerprint = load_samples(req.data, loaded.tokenizer, req.samples, seq_len, req.seed)
+    reports = []
+    for i in range(ids.shape[0]):
+        step(f"measuring sample {i + 1} of {ids.shape[0]} ({seq_len} tokens): per layer, then end to end")
+        reports.append(verify(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda"), compare=other))
+    report = {**merge_reports(reports), **report}
+    max_kl = req.max_kl or m.max_kl or DEFAULT_MAX_KL
+    if other is not None:
+        report["compare"].update(bundle=str(other.path), name=other.manifest.name, version=other.manifest.version)
+    worst = layer_ranking(report["layers"])[0]
+    report.update(data=req.data, data_fingerprint=fingerprint, seed=req.seed, samples=req.samples, seq_len=seq_len,
+                  device=device, model=loaded.info.id, sink_tokens=m.quant.sink_tokens,
+                  recent_tokens=m.quant.recent_tokens, max_kl=max_kl, max_logit_error=req.max_logit_error,
+                  worst_layer=worst, notes=notes, checks=[c.__dict__ for c in checks])
+    reasons = gate(report, max_kl, req.max_logit_error)
+    report.update(passed=not reasons, reasons=reasons, reason="; ".join(reasons) or None)
+    return report
+
+
+def record(report: dict) -> dict:
+    """What `oscar verify --record` writes to VERIFY_FILE beside the bundle: the run's settings and headline figures."""
+    summary = {k: report[k] for k in ("name", "version", "data", "data_fingerprint", "samples", "seq_len", "seed",
+                                      "device", "path", "passed")}
+    return {**summary, "figures": headline(report)}

@@ -112,20 +112,28 @@ def test_verify_refuses_a_bundle_for_another_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_verify_the_committed_bundle_on_held_out_text(tmp_path):
-    """The real run: OSCAR beats Hadamard and no rotation; a too-strict threshold fails after writing the report."""
-    root = Path(__file__).resolve().parents[1]
-    bundle = root / "zoo" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "v1"
+def test_verify_passes_the_committed_bundle_and_fails_one_that_breaks_a_layer(tmp_path):
+    """The real run, 512 tokens on the CPU: the committed bundle beats KIVI-style, Hadamard and no rotation and
+    passes (exit 0); the same bundle with one layer's key clips cut fails in one line (exit 1), that layer named
+    worst, after writing its report."""
+    from test_verify import BROKEN_LAYER, COMMITTED, broken_bundle
+
     report_path = tmp_path / "report.json"
-    result = oscar("verify", bundle, "--seq-len", "384", "--device", "cpu", "--json", report_path,
-                   "--max-logit-error", "0.01")
-    assert result.returncode == 1 and "above the threshold 0.01" in result.stderr
+    result = oscar("verify", COMMITTED, "--seq-len", "512", "--device", "cpu", "--json", report_path)
+    assert result.returncode == 0, result.stderr
     shown = " ".join(result.stdout.split())  # rich wraps long lines
-    assert "worst first" in shown and "top-1 agreement" in shown
+    assert "worst attention error first" in shown and "PASS" in shown and "KIVI-style INT2" in shown
     report = json.loads(report_path.read_text())
-    assert report["passed"] is False and report["path"] == "torch reference"
+    assert report["passed"] is True and report["path"] == "torch reference" and report["seq_len"] == 512
     assert len(report["layers"]) == 30 * 3
-    mean = report["mean"]
-    assert mean["oscar_key"] < mean["hadamard_key"] < mean["int2_key"]
-    assert mean["oscar_value"] < mean["hadamard_value"] < mean["int2_value"]
-    assert 0 <= report["end_to_end"]["kl"] < 0.1 and report["end_to_end"]["top1_agreement"] > 0.9
+    mean, e2e = report["mean"], report["end_to_end"]
+    assert mean["oscar_attention"] < mean["kivi_attention"] < mean["hadamard_attention"] < mean["int2_attention"]
+    assert e2e["kl"] < e2e["kivi_kl"] < e2e["hadamard_kl"] < e2e["int2_kl"] and e2e["kl"] < 0.1
+    assert e2e["ppl"] < e2e["kivi_ppl"] < e2e["hadamard_ppl"] < e2e["int2_ppl"] and e2e["bf16_ppl"] > 1
+
+    broken = broken_bundle(tmp_path / "broken")
+    result = oscar("verify", broken, "--seq-len", "512", "--device", "cpu", "--json", report_path)
+    assert_one_line_error(result, "OSCAR loses to KIVI-style: next-token KL")
+    assert result.returncode == 1 and f"worst layer: {BROKEN_LAYER} " in result.stdout
+    report = json.loads(report_path.read_text())
+    assert report["passed"] is False and report["worst_layer"] == BROKEN_LAYER

@@ -291,7 +291,8 @@ def test_verify_table_shows_the_other_bundle_beside_ours(capsys):
     _print_report(report)
     out = capsys.readouterr().out
     assert "other" in out and "0.7100" in out and "upstream-seq1_prompt1_group8" in out
-    assert "other bundle's INT2 cache vs BF16: KL 0.0400" in out
+    end_to_end = next(line for line in out.splitlines() if "other: org/model" in line and "0.0400" in line)
+    assert "80.0%" in end_to_end  # the other bundle's row of the end-to-end table: KL, top-1
     assert json.dumps(report, sort_keys=True) == before  # printing leaves the report (and its JSON) as it was
 
 

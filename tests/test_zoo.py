@@ -281,7 +281,7 @@ def test_provenance_alone_is_equivalent_and_verify_figures_are_held_to_the_recor
     assert code == 0, out
     status, deviations, reasons = zoo.compare(committed, a, calib)
     figures = {d.kind: d for d in deviations if d.kind.startswith("verify")}
-    assert status == "equivalent" and len(figures) == 6 and all(d.worst < 1e-4 for d in figures.values()), reasons
+    assert status == "equivalent" and len(figures) == len(zoo.VERIFY_MARGINS) and all(d.worst < 1e-4 for d in figures.values()), reasons
     record = json.loads((committed / "verify.json").read_text())
     record["figures"]["logit_error"] += 0.01
     (committed / "verify.json").write_text(json.dumps(record))
@@ -304,6 +304,21 @@ def test_verify_finds_a_local_model_by_its_hint_and_says_when_it_is_gone(tiny_mo
                                          "exists: pass --model (a directory, .gguf file or hub id)")
     code, out = oscar(capfd, monkeypatch, *args, "--model", str(moved))
     assert code == 0, out
+
+
+def test_verify_caps_its_default_length_at_the_models_context(built, tiny_model, tmp_path, capfd, monkeypatch):
+    """The default held-out length (2,048 on the CPU) is above this model's 256: 256 are used, with a note; an
+    explicit --seq-len above it is a one-line error."""
+    import json
+
+    (a, _) = built["a"]
+    args = ["verify", str(a), "--data", str(tiny_model / "corpus.txt"), "--device", "cpu"]
+    code, out = oscar(capfd, monkeypatch, *args, "--json", str(tmp_path / "r.json"))
+    assert code == 0, out
+    assert "note: the default of 2048 tokens is above the model's context of 256: 256 used" in out
+    assert json.loads((tmp_path / "r.json").read_text())["seq_len"] == 256
+    code, out = oscar(capfd, monkeypatch, *args, "--seq-len", "512")
+    assert code == 1 and out.strip().splitlines()[-1] == "error: --seq-len 512 is above the model's limit of 256"
 
 
 @pytest.mark.parametrize("command", ["check", "build"])
