@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oscar_core.errors import OscarError
 from oscar_core.metrics import causal_attention
 from oscar_core.quant import fake_quantize
 from oscar_core.rotations import label, rotation
@@ -206,6 +207,14 @@ def derive_values(stats, layer: int, variant: str, centering: bool, group_size: 
     clip = search_clip(lambda c: value_errors(p["query"], p["key"], p["value"], p["positions"], r, mean, c,
                                               group_size, sink_tokens, scaling), grid)
     return {"value_rotation": r, "value_clip": clip, **({"value_mean": mean} if mean is not None else {})}
+
+
+def key_formats(key_axis: str, key_rotation: str = "oscar") -> tuple[tuple[str, str], ...]:
+    """DeriveOptions.key_formats for a key axis: "auto" (every candidate), "token" or "channel" (that axis only)."""
+    token, channel = (("token", key_rotation),), (("channel", "none"), ("channel", "eigen"))
+    if key_axis not in ("auto", *KEY_AXES):
+        raise OscarError(f"unknown key axis {key_axis!r}: auto, token or channel")
+    return {"auto": token + channel, "token": token, "channel": channel}[key_axis]
 
 
 def key_format_name(axis: str, variant: str) -> str:

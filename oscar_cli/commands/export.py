@@ -7,7 +7,7 @@ import typer
 from rich.table import Table
 
 from oscar_cli.ui import console, progress
-from oscar_core.derive import DeriveOptions
+from oscar_core.derive import DeriveOptions, key_formats
 from oscar_core.export import default_workers, export_bundle
 
 EXAMPLES = """
@@ -18,6 +18,8 @@ Examples:
   oscar export runs/qwen3-8b --version v2 --out /data/rotationzoo
 
   oscar export runs/smollm2 --key-rotation hadamard --no-key-centering --out /tmp/ablation   # a baseline bundle
+
+  oscar export runs/smollm2 --key-axis token --out /tmp/published    # every layer's keys per token (the published format)
 """
 
 
@@ -33,13 +35,15 @@ def export(
     group_size: Annotated[int, typer.Option(help="INT2 group size for keys and values (capped at head_dim).")] = 64,
     key_clip_objective: Annotated[str, typer.Option(help="Key clip search objective: logit (Σ e C_Q eᵀ), output, kl or weighted-logit (attention-aware, on the probe).")] = DeriveOptions.key_clip_objective,
     key_clip_floor: Annotated[float, typer.Option(help="Smallest key clip ratio the search may pick.")] = DeriveOptions.key_clip_floor,
+    key_axis: Annotated[str, typer.Option(help="auto: per layer, keys per token (in the key rotation) or per channel (unrotated or in U_Q), whichever the probe's attention-output error prefers; token or channel: that axis in every layer.")] = "auto",
     eigenvalues: Annotated[bool, typer.Option(help="Also store the eigenvalues of C_Q and C_S (what `oscar upstream export` needs without the calibration directory).")] = False,
     workers: Annotated[Optional[int], typer.Option(help="Processes deriving layers at once (each single-threaded: the bytes do not depend on it); default: one per CPU core.")] = None,
 ) -> None:
     """Compute R_K = U_Q·H·P_br, R_V = U_S·H·P_br and calibrated clip thresholds; write a rotation bundle."""
     opts = DeriveOptions(key_rotation=key_rotation, value_rotation=value_rotation, key_centering=key_centering,
                          value_centering=value_centering, key_group_size=group_size, value_group_size=group_size,
-                         key_clip_objective=key_clip_objective, key_clip_floor=key_clip_floor)
+                         key_clip_objective=key_clip_objective, key_clip_floor=key_clip_floor,
+                         key_formats=key_formats(key_axis, key_rotation))
     with progress() as bar:
         task = bar.add_task("deriving rotations", total=None, rate="layers")
         path, manifest = export_bundle(calib_dir, out, version=version, name=name, opts=opts,
