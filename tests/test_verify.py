@@ -18,12 +18,18 @@ COMMITTED = Path(__file__).resolve().parents[1] / "zoo" / "HuggingFaceTB" / "Smo
 BROKEN_LAYER = 13
 
 
-def broken_bundle(out: Path, layer: int = BROKEN_LAYER, factor: float = 0.05) -> Path:
-    """The committed SmolLM2 bundle with one layer's key clips scaled down (re-signed: every check passes)."""
+def broken_bundle(out: Path, layers: tuple[int, ...] = (BROKEN_LAYER,), factor: float = 0.05) -> Path:
+    """The committed SmolLM2 bundle with some layers' keys quantized per token and their clips scaled by `factor`
+    (re-signed: every check passes). Per token, every key leaves the BF16 window on its own, so the damage reaches
+    a short sample; the committed layers keep keys per channel, whose blocks of 64 barely leave the window there."""
     b = load_bundle(COMMITTED)
     tensors = dict(b.tensors)
-    tensors[f"layers.{layer}.key_clip"] = tensors[f"layers.{layer}.key_clip"] * factor
-    write_bundle(out, b.manifest, tensors)
+    for layer in layers:
+        tensors[f"layers.{layer}.key_clip"] = tensors[f"layers.{layer}.key_clip"] * factor
+    quant = b.manifest.quant
+    entries = [e.model_copy(update={"key_axis": "token"}) if e.layer in layers else e for e in quant.layers or ()]
+    write_bundle(out, b.manifest.model_copy(update={"quant": quant.model_copy(update={"layers": entries or None})}),
+                 tensors)
     return out
 
 
