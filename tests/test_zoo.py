@@ -366,3 +366,19 @@ def test_committed_default_bundle_checks_under_each_instruction_set(capability):
         assert "skipped Qwen/Qwen2.5-Coder-0.5B-Instruct v1: not available here" in out and "make models" in out, out
     if "equivalent" in out:
         assert "key_rotation" in out and ("verify logit_error" in out) == (not verify), out
+
+
+def test_layer_formats_must_match_and_their_probe_errors_agree_within_tolerance():
+    m = load_bundle(REPO_ROOT / "zoo" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "v1").manifest
+
+    def with_layer0(**update):
+        layers = [e.model_copy(update=update) if e.layer == 0 else e for e in m.quant.layers]
+        return m.model_copy(update={"quant": m.quant.model_copy(update={"layers": layers})})
+
+    errors = dict(m.quant.layers[0].errors)
+    near = {k: v * (1 + 0.5 * zoo.LAYER_ERROR_TOLERANCE) for k, v in errors.items()}
+    far = {k: v * (1 + 2 * zoo.LAYER_ERROR_TOLERANCE) for k, v in errors.items()}
+    assert zoo.manifest_differences(m, with_layer0(errors=near)) == []
+    assert any("layer 0's probe errors differ" in d for d in zoo.manifest_differences(m, with_layer0(errors=far)))
+    other = "token U_Q·H·P_br" if m.quant.layers[0].key_format != "token U_Q·H·P_br" else "channel none"
+    assert zoo.manifest_differences(m, with_layer0(key_format=other))
