@@ -365,7 +365,7 @@ def test_committed_default_bundle_checks_under_each_instruction_set(capability):
     elif first:
         assert "skipped Qwen/Qwen2.5-Coder-0.5B-Instruct v1: not available here" in out and "make models" in out, out
     if "equivalent" in out:
-        assert "key_rotation" in out and ("verify logit_error" in out) == (not verify), out
+        assert "key_rotation" in out and ("verify logit_error" in out) == first, out
 
 
 def test_layer_formats_must_match_and_their_probe_errors_agree_within_tolerance():
