@@ -22,6 +22,7 @@ with C the rebuild's own covariance. Equivalently: how far the committed R_a is 
 does. A tampered rotation (perturbed, permuted, another layer's) changes it at once.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,9 +113,14 @@ def tensor_deviations(committed: dict[str, torch.Tensor], rebuilt: dict[str, tor
 
 def figure_deviations(committed: dict[str, float], rebuilt: dict[str, float],
                       margins: dict[str, float]) -> list[Deviation]:
-    """|committed − rebuilt| of each verify figure both sides have, held to its margin."""
-    return [Deviation(f"verify {k}", abs(committed[k] - rebuilt[k]), f"{committed[k]:.4f} vs {rebuilt[k]:.4f}",
-                      margins[k]) for k in sorted(set(committed) & set(rebuilt) & set(margins))]
+    """|committed − rebuilt| of each verify figure both sides have, held to its margin. Perplexities
+    (`*ppl`) compare as |log(committed / rebuilt)|: the difference of their mean NLL in nats."""
+    def gap(k: str) -> float:
+        a, b = committed[k], rebuilt[k]
+        return abs(math.log(a / b)) if k.endswith("ppl") and a > 0 and b > 0 else abs(a - b)
+
+    return [Deviation(f"verify {k}", gap(k), f"{committed[k]:.4f} vs {rebuilt[k]:.4f}", margins[k])
+            for k in sorted(set(committed) & set(rebuilt) & set(margins))]
 
 
 def json_differences(a, b, prefix: str = "") -> list[str]:

@@ -66,5 +66,9 @@ def test_figures_and_json_differences():
                           {"kl": 2e-3, "logit_error": 1e-3})
     assert [(x.kind, x.ok) for x in d] == [("verify kl", True), ("verify logit_error", False)]
     assert isinstance(d[0], Deviation)
+    ppl = figure_deviations({"ppl": 34.4981, "kivi_ppl": 38.0}, {"ppl": 34.5785, "kivi_ppl": 40.0},
+                            {"ppl": 2e-2, "kivi_ppl": 2e-2})
+    assert [(x.kind, x.ok) for x in ppl] == [("verify kivi_ppl", False), ("verify ppl", True)]
+    assert math.isclose(ppl[1].worst, math.log(34.5785 / 34.4981)) and math.isclose(ppl[0].worst, math.log(40 / 38))
     assert json_differences({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3, "d": 0}}) == ["a.c: 2 ≠ 3",
                                                                                            "a.d: only on one side"]
