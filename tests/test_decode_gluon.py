@@ -30,9 +30,9 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from oscar_core.triton import decode_gluon
 
-heads_per_kv, stages, cubin = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+shape, cubin = json.loads(sys.argv[1]), sys.argv[2]
 fn = decode_gluon._int2_split_kernel
-const = dict(HKV=8, HG=heads_per_kv, R4=4, S=64, W=256, NW=5, BLOCK_N=64, STAGES=stages)
+const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128), **shape)
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32")
 sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}
@@ -44,18 +44,32 @@ print(json.dumps({"shared": kernel.metadata.shared}))
 """
 
 
-@pytest.mark.parametrize("heads_per_kv,stages", [(4, 0), (1, 0), (4, 2), (4, 3)])
-def test_gluon_int2_programs_compile_for_sm90(tmp_path, heads_per_kv, stages):
+SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a token (keys, values), key block
+    dict(HG=4, R4=4, STAGES=0, NGK=2, NGV=2, TB=1),
+    dict(HG=1, R4=4, STAGES=0, NGK=2, NGV=2, TB=1),
+    dict(HG=4, R4=4, STAGES=2, NGK=2, NGV=2, TB=1),
+    dict(HG=4, R4=4, STAGES=3, NGK=2, NGV=2, TB=1),
+    dict(HG=16, R4=4, HT=4, STAGES=0, NGK=2, NGV=2, TB=1),
+    dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=1, TB=1),
+    dict(HG=4, R4=4, STAGES=0, NGK=2, NGV=2, TB=64),
+    dict(HG=7, R4=4, HT=2, STAGES=0, NGK=2, NGV=1, TB=128),
+    dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=1, TB=1, D=64),
+    dict(HG=7, R4=4, HT=2, STAGES=0, NGK=1, NGV=1, TB=64, D=64),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_gluon_int2_programs_compile_for_sm90(tmp_path, shape):
     cubin = tmp_path / "k.cubin"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE, str(heads_per_kv), str(stages), str(cubin)], env=env,
+    run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(shape), str(cubin)], env=env,
                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert run.returncode == 0, run.stderr[-3000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])["shared"]
     usage = subprocess.run([BIN / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     # Shared memory holds only the ring of copied tiles; the products take their operands from registers.
-    assert shared == stages * 4608
+    assert shared == shape["STAGES"] * 4608
     sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
     assert "HMMA.16816.F32.BF16" in sass
-    assert ("LDGSTS.E.BYPASS.128" in sass) == (stages > 0)  # 16-byte cp.async copies
+    assert ("LDGSTS.E.BYPASS.128" in sass) == (shape["STAGES"] > 0)  # 16-byte cp.async copies

@@ -641,12 +641,30 @@ def check_shape(heads: int, kv_heads: int, head_dim: int, key_group_size: int, v
 
 def gluon_supported(q: torch.Tensor, cache: Int2KVCache) -> bool:
     """Whether the Gluon INT2 programs (decode_gluon.py) serve this call: a CUDA device of compute
-    capability 8.0 or newer, head_dim 128, groups of 64, up to 4 query heads per KV head, whole 64-row
-    blocks of INT2 rows (kvstore.int2_rows allocates them so)."""
+    capability 8.0 or newer, head_dim 64 or 128, value groups (and key groups, keys per token; key blocks,
+    keys per channel) of 64 or 128 within the head, up to 16 query heads per KV head, whole 64-row blocks
+    of INT2 rows (kvstore.int2_rows allocates them so)."""
     if not q.is_cuda or _gluon() is None or _capability(q.device)[0] < 8:
         return False
-    return (q.shape[-1] == 128 and cache.key_axis == "token" and cache.key_group_size == cache.value_group_size == 64
-            and q.shape[1] // cache.key_codes.shape[1] <= 4 and cache.key_codes.shape[2] % 64 == 0)
+    d, gk, gv = q.shape[-1], cache.key_group_size, cache.value_group_size
+    keys_fit = gk in (64, 128) and (cache.key_axis == "channel" or gk <= d)
+    return (d in (64, 128) and keys_fit and gv in (64, 128) and gv <= d
+            and q.shape[1] // cache.key_codes.shape[1] <= 16 and cache.key_codes.shape[2] % 64 == 0)
+
+
+def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_programs: int,
+                     heads_per_program: int = 4) -> dict:
+    """decode_gluon._int2_split_kernel's constexprs for a store: HT programs of R4 query heads each cover
+    a KV head's HG heads (R4 = 4 keeps every setting within 128 registers a thread, no spills)."""
+    kv_heads = cache.key_codes.shape[1]
+    hg = heads // kv_heads
+    r4 = max(4, _pow2(min(hg, heads_per_program)))
+    tb = cache.token_block
+    ngk = head_dim // cache.key_group_size if tb == 1 else 1
+    ngv = head_dim // cache.value_group_size
+    stages = _gluon().STAGES if (head_dim == 128 and tb == 1 and ngk == ngv == 2) else 0
+    return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
+                BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4), D=head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -697,7 +715,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      max_length: int | None = None, block_n: int | None = None, block_w: int = 64,
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
-                     key_t: bool | None = None, fused: bool = False, gluon: bool | None = None) -> torch.Tensor:
+                     key_t: bool | None = None, fused: bool = False, gluon: bool | None = None,
+                     heads_per_program: int = 4) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     Three launches (query rotation, split kernel, reduce), or with fused one: the query rotated inside
@@ -712,8 +731,9 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs or 16K INT2 rows;
     True to require them (ValueError where they cannot).
     Every sequence needs at least one token. The cache tensors must be contiguous.
-    A store with keys per channel (cache.key_axis "channel") is read by the Triton programs only (no Gluon),
-    in tiles of at most its key block (block_n ≤ G), its scales folded into the query per tile.
+    A store with keys per channel (cache.key_axis "channel") is read in tiles of at most its key block
+    (block_n ≤ G), its scales folded into the query per tile. heads_per_program: query heads a Gluon
+    program takes (4 or 8; a KV head's HG heads are split among cdiv(HG, it) programs).
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
@@ -733,8 +753,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         # programs at 32K (kernel.md, batch 1: 0.025 against 0.033 ms, 0.044 against 0.039).
         gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 16384)
     elif gluon and (fused or not gluon_supported(q, cache)):
-        raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 128, groups of 64, "
-                         "at most 4 query heads per KV head, whole 64-row INT2 blocks, keys per token and fused=False")
+        raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64 or 128, groups of 64 or "
+                         "128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
     cfg = default_config(bsz, kv_heads, d, gluon)
     block_n = 64 if gluon else block_n or cfg["block_n"]
     if tb > 1:
@@ -743,9 +763,9 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     num_stages = num_stages or cfg["num_stages"]
     nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
     if gluon:
-        consts = dict(HKV=kv_heads, HG=hg, R4=4, S=cache.sink_tokens, W=cache.recent_tokens, NW=nw, BLOCK_N=64,
-                      STAGES=_gluon().STAGES)
-        cfg["waves"] = _gluon_programs_per_sm(cache, consts, q.device)
+        consts = gluon_constexprs(cache, heads, d, nw, heads_per_program)
+        # One whole wave of programs: each INT2 split is HT programs.
+        cfg["waves"] = max(1, _gluon_programs_per_sm(cache, consts, q.device) // consts["HT"])
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
     # At least one INT2 program per pair, so a sequence longer than max_length is still read whole.
@@ -788,7 +808,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
             USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
             TB=tb, R=cache.ring_slots if tb > 1 else 1, num_warps=num_warps, num_stages=num_stages)
     if gluon:
-        _gluon()._int2_split_kernel[(max(n_int2, 1), bsz * kv_heads)](
+        _gluon()._int2_split_kernel[(max(n_int2, 1) * consts["HT"], bsz * kv_heads)](
             *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), max(n_int2, 1), cfg["min_chunk"], ns),
             num_warps=1, **consts)
     if side is not None:

@@ -1,7 +1,8 @@
 """INT2 split programs of decode attention in Gluon: the packed bytes loaded straight into mma operands.
 
 One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 128,
-groups of 64 channels, up to 4 query heads per KV head. It replaces the INT2 programs of
+groups of 64 or 128 channels, up to 16 query heads per KV head (R4 = 4, 8 or 16 columns a group), keys per
+token or per channel over blocks of 64 or 128 tokens. It replaces the INT2 programs of
 decode._split_kernel (same partial outputs po, pm, pl, merged by decode._reduce_kernel).
 
 The store's layout already is the operands' layout. quant.pack_int2 puts channel 4j + i of a token in
@@ -73,12 +74,15 @@ def _pair(lo, hi):
 
 
 @gluon.jit
-def _load_meta(ptr, t0, ML: gl.constexpr):
-    """Scale or zero codes (uint8 / int8 [T, 2]) of tokens t0 .. t0 + 63: one 16-byte load of 8 consecutive
-    tokens per thread, [8, 16]."""
+def _load_meta(ptr, t0, ML: gl.constexpr, NG: gl.constexpr):
+    """Scale or zero codes (uint8 / int8 [T, NG]) of tokens t0 .. t0 + 63 as [8, 16]: row g, byte j holds
+    token t0 + 8g + j div 2, group j mod 2 (with NG = 1, groups of 128 channels, both halves of the head
+    read the token's one code). NG = 2: one 16-byte load of 8 consecutive tokens per thread."""
     g = gl.arange(0, 8, layout=gl.SliceLayout(1, ML))
     j = gl.arange(0, 16, layout=gl.SliceLayout(0, ML))
-    return gl.load(ptr + 2 * gl.multiple_of(t0, 64) + (16 * g)[:, None] + j[None, :])
+    if NG == 2:
+        return gl.load(ptr + 2 * gl.multiple_of(t0, 64) + (16 * g)[:, None] + j[None, :])
+    return gl.load(ptr + gl.multiple_of(t0, 64) + (8 * g)[:, None] + (j // 2)[None, :])
 
 
 @gluon.jit
@@ -91,16 +95,34 @@ def _tile_meta(x, RL: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML: gl.constexpr, KW: gl.constexpr):
-    """Every byte of tile t0: key words 2t and 2t + 1 of each row (one 8-byte load), value halves joined
-    in pairs, metadata."""
-    kw0, kw1 = gl.split(gl.load(kw + t0 * 8 + koff))
-    kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
-    kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
-    vp = vh + t0 * 16 + voff
-    return (kw0, kw1, _pair(gl.load(vp), gl.load(vp + 128)),
-            _pair(gl.load(vp + 8), gl.load(vp + 136)), _load_meta(ksc, t0, ML), _load_meta(kz, t0, ML),
-            _load_meta(vsc, t0, ML), _load_meta(vz, t0, ML))
+def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML: gl.constexpr, KW: gl.constexpr, NGK: gl.constexpr,
+               NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr):
+    """Every byte of tile t0: key words 2t and 2t + 1 of each row (one 8-byte load; at head_dim 64 word t,
+    and the second product's registers repeat the first's), value halves joined in pairs, metadata (with
+    keys per channel, TB > 1, the key codes' places hold the value codes: the key scales are read per
+    block by _channel_query)."""
+    if D == 128:
+        kw0, kw1 = gl.split(gl.load(kw + t0 * 8 + koff))
+        kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
+        kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
+    else:
+        kw0 = gl.load(kw + t0 * 4 + koff)
+        kw1 = kw0
+    vp = vh + t0 * (D // 8) + voff
+    vw0 = _pair(gl.load(vp), gl.load(vp + D))
+    if D == 128:
+        vw1 = _pair(gl.load(vp + 8), gl.load(vp + 136))
+    else:
+        vw1 = vw0
+    vscb = _load_meta(vsc, t0, ML, NGV)
+    vzb = _load_meta(vz, t0, ML, NGV)
+    if TB > 1:
+        kscb = vscb
+        kzb = vzb
+    else:
+        kscb = _load_meta(ksc, t0, ML, NGK)
+        kzb = _load_meta(kz, t0, ML, NGK)
+    return kw0, kw1, vw0, vw1, kscb, kzb, vscb, vzb
 
 
 @gluon.jit
@@ -141,15 +163,32 @@ def _rho_scale(kappa):
 
 
 @gluon.jit
+def _channel_query(q, rho, ksc, kz, ch, log2_scale):
+    """Keys per channel: one product's query operand for a key block, q̂_κ = bf16(q_κ·step_c) from the
+    loop's operand q_κ = q̃_c·4^-ρ (exact in bf16) and the block's step_c (score scale folded in), and its
+    share of the score offset per column, Σ_κ q̂_κ·(4^ρ·z_c/4 − 128): the zero term, less the 128 the
+    unpack leaves in every code."""
+    st = gl.exp2(gl.load(ksc + ch).to(gl.float32) * 0.125 + (log2_scale - 16.0))[:, None]
+    q = (q.to(gl.float32) * st).to(gl.bfloat16)
+    z = gl.load(kz + ch).to(gl.int8, bitcast=True).to(gl.float32)[:, None] * 0.25 / rho - 128.0
+    return q, gl.sum(q.to(gl.float32) * z, axis=0)
+
+
+@gluon.jit
 def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
                        log2_scale, T, n_int2_splits, min_chunk, NS,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
-                       NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Program (i, bh): INT2 split NW + i of (sequence, KV head) bh. qt: q̃ bf16 [B, H, 128]; kw: key
+                       NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
+                       NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr):
+    """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
+    jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
+    run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, 128]; kw: key
     codes as int32 words [B, H_kv, T, 8]; vh: value codes as int16 halves [B, H_kv, T, 16]; ksc, kz, vsc, vz:
-    scale and zero codes as bytes [B, H_kv, T, 2] (zeros are int8 read as uint8). T must be a multiple of
-    BLOCK_N."""
-    D: gl.constexpr = 128
+    scale and zero codes as bytes [B, H_kv, T, NG] (NG = 2 for groups of 64 channels, 1 for 128; zeros are
+    int8 read as uint8). TB > 1: keys per channel over blocks of TB tokens, ksc and kz [B, H_kv, T/TB, 128],
+    the block's step and zero folded into the query operands each tile (_channel_query). T must be a
+    multiple of BLOCK_N and of TB. D: 64 or 128; the ring (STAGES > 0) only at D 128, TB 1, NGK = NGV = 2
+    (decode.gluon_constexprs keeps to these)."""
     NC: gl.constexpr = 2 * R4                   # score columns (g, r), g the key group
     NP: gl.constexpr = 8 if R4 < 8 else R4      # value product columns (heads, padded to the mma's n = 8)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -163,12 +202,13 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     # Value halves [token pairs, a, slot]: lane = 4·a + t holds pairs t + 4j, half-word a of the block.
     VL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 8, 1], [1, 1, 1], [2, 0, 1])
 
-    sid = NW + gl.program_id(0)
+    sid = NW + gl.program_id(0) // HT
+    r0 = (gl.program_id(0) % HT) * R4
     bh = gl.program_id(1)
     b = bh // HKV
     length = gl.load(len_ptr + b)
     slot = bh * NS + sid
-    n_int2 = gl.maximum(length - S - W, 0)
+    n_int2 = gl.maximum(length - S - W, 0) // TB * TB
     chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
     chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
     start = (sid - NW) * chunk
@@ -180,13 +220,19 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     # c_o(κ) = 8·(2·(2t + o) + e) + i, in group t div 2.
     qk = gl.arange(0, 64, layout=gl.SliceLayout(1, b_op))
     qc = gl.arange(0, NC, layout=gl.SliceLayout(0, b_op))
-    qrow = (b * HKV + bh % HKV) * HG + qc // 2
-    qmask = (qc // 2 < HG)[None, :]
-    qoff = qrow[None, :] * D + (32 * ((qk % 8) // 2) + 8 * (qk % 2) + qk // 8)[:, None]
-    qsel = qmask & (((qk % 8) // 4)[:, None] == (qc % 2)[None, :])
+    qrow = (b * HKV + bh % HKV) * HG + r0 + qc // 2
+    qmask = (r0 + qc // 2 < HG)[None, :]
+    # At head_dim 64 one product (word t of a row: c(κ) = 8·(2t + e) + i, group 0) and the columns of
+    # group 1 stay zero.
+    ch0 = (D // 4) * ((qk % 8) // 2) + 8 * (qk % 2) + qk // 8
+    qoff = qrow[None, :] * D + ch0[:, None]
+    qsel = qmask & ((ch0 // 64)[:, None] == (qc % 2)[None, :])
     rho = _rho_scale(qk)[:, None]
     qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
-    qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + 16, mask=qmask, other=0.0).to(gl.float32), 0.0)
+    if D == 128:
+        qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + 16, mask=qmask, other=0.0).to(gl.float32), 0.0)
+    else:
+        qf1 = gl.zeros_like(qf0)
     q0 = (qf0 * rho).to(gl.bfloat16)
     q1 = (qf1 * rho).to(gl.bfloat16)
     # Σ_κ q̂ (for the 128 offset) and Σ_c q̃ per group (for the key zero term), as score columns.
@@ -206,19 +252,27 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     km = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, K2))).to(gl.int64)
     kt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K2))).to(gl.int64)
     kj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, K2))).to(gl.int64)
-    koff = ((8 * (km % 8) + km // 8) * 8)[:, None, None] + (2 * kt)[None, :, None] + kj[None, None, :]
+    if D == 128:
+        koff = ((8 * (km % 8) + km // 8) * 8)[:, None, None] + (2 * kt)[None, :, None] + kj[None, None, :]
+    else:
+        km1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW)).to(gl.int64)
+        koff = ((8 * (km1 % 8) + km1 // 8) * 4)[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, KW))[None, :]
     vu = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL))).to(gl.int64)
-    voff = ((8 * ((2 * vu) % 8) + (2 * vu) // 8) * 16)[:, None] \
+    voff = ((8 * ((2 * vu) % 8) + (2 * vu) // 8) * (D // 8))[:, None] \
         + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL))).to(gl.int64)[None, :]
     xrow = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, XL))
     xtok = 8 * (xrow % 8) + xrow // 8
-    # This (sequence, KV head)'s rows: key words (8 a row), value halves (16), metadata pairs (1).
-    kw = kw_ptr + bh.to(gl.int64) * T * 8
-    vh = vh_ptr + bh.to(gl.int64) * T * 16
-    ksc = ksc_ptr + bh.to(gl.int64) * T * 2
-    kz = kz_ptr + bh.to(gl.int64) * T * 2
-    vsc = vsc_ptr + bh.to(gl.int64) * T * 2
-    vz = vz_ptr + bh.to(gl.int64) * T * 2
+    # This (sequence, KV head)'s rows: key words (D/16 a row), value halves (D/8), metadata.
+    kw = kw_ptr + bh.to(gl.int64) * T * (D // 16)
+    vh = vh_ptr + bh.to(gl.int64) * T * (D // 8)
+    if TB > 1:
+        ksc = ksc_ptr + bh.to(gl.int64) * (T // TB) * D
+        kz = kz_ptr + bh.to(gl.int64) * (T // TB) * D
+    else:
+        ksc = ksc_ptr + bh.to(gl.int64) * T * NGK
+        kz = kz_ptr + bh.to(gl.int64) * T * NGK
+    vsc = vsc_ptr + bh.to(gl.int64) * T * NGV
+    vz = vz_ptr + bh.to(gl.int64) * T * NGV
     CR: gl.constexpr = gl.SliceLayout(1, mma)
     XR: gl.constexpr = gl.SliceLayout(1, XL)
 
@@ -277,24 +331,38 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             st = it % STAGES
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL), ML)
         else:
-            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML, KW)
+            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML, KW, NGK, NGV, TB, D)
         kw0, kw1, vw0, vw1, kscb, kzb, vscb, vzb = cur
         k0 = _unpack_words(gl.expand_dims(kw0, 2), KL)
-        k1 = _unpack_words(gl.expand_dims(kw1, 2), KL)
         # [tokens, t, (i = 2s + h, e)] -> [tokens, (s, h, t, e)]: κ = 16s + 8h + 2t + e.
         a0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k0, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
                                           [BLOCK_N, 64]), a_op, assert_trivial=True)
-        a1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k1, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
-                                          [BLOCK_N, 64]), a_op, assert_trivial=True)
-        s = mma_v2(a1, q1, mma_v2(a0, q0, s_init))
-
-        ksc0, ksc1 = _tile_meta(kscb, CR)
-        kz0, kz1 = _tile_meta(kzb.to(gl.int8, bitcast=True), CR)
-        kst0 = gl.exp2(ksc0 * 0.125 + (log2_scale - 16.0))
-        kst1 = gl.exp2(ksc1 * 0.125 + (log2_scale - 16.0))
-        kst = gl.where(grp1, kst1[:, None], kst0[:, None])
-        kzc = gl.where(grp1, kz1[:, None], kz0[:, None])
-        x = gl.sum(gl.reshape(kst * (s + kzc * q_sum4[None, :]), [BLOCK_N, R4, 2]), axis=2)
+        if D == 128:
+            k1 = _unpack_words(gl.expand_dims(kw1, 2), KL)
+            a1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k1, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
+                                              [BLOCK_N, 64]), a_op, assert_trivial=True)
+        if TB > 1:
+            blk = (t0 // TB) * D
+            qc0, off = _channel_query(q0, rho, ksc + blk, kz + blk, ch0, log2_scale)
+            if D == 128:
+                qc1, off1 = _channel_query(q1, rho, ksc + blk, kz + blk, ch0 + 16, log2_scale)
+                off += off1
+            s = gl.zeros([BLOCK_N, NC], gl.float32, mma) + gl.convert_layout(off, gl.SliceLayout(0, mma))[None, :]
+            s = mma_v2(a0, qc0, s)
+            if D == 128:
+                s = mma_v2(a1, qc1, s)
+            x = gl.sum(gl.reshape(s, [BLOCK_N, R4, 2]), axis=2)
+        else:
+            s = mma_v2(a0, q0, s_init)
+            if D == 128:
+                s = mma_v2(a1, q1, s)
+            ksc0, ksc1 = _tile_meta(kscb, CR)
+            kz0, kz1 = _tile_meta(kzb.to(gl.int8, bitcast=True), CR)
+            kst0 = gl.exp2(ksc0 * 0.125 + (log2_scale - 16.0))
+            kst1 = gl.exp2(ksc1 * 0.125 + (log2_scale - 16.0))
+            kst = gl.where(grp1, kst1[:, None], kst0[:, None])
+            kzc = gl.where(grp1, kz1[:, None], kz0[:, None])
+            x = gl.sum(gl.reshape(kst * (s + kzc * q_sum4[None, :]), [BLOCK_N, R4, 2]), axis=2)
         x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
         m_tile = gl.max(x, axis=0)
         if gl.max(m_tile - m, axis=0) > 8.0:
@@ -338,21 +406,22 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
 
         # Values: half-word a of the tokens of rows 2u and 2u + 1 (8 tokens apart), joined in one word.
         u0 = _unpack_words(gl.expand_dims(vw0, 2), VL)
-        u1 = _unpack_words(gl.expand_dims(vw1, 2), VL)
         # [pairs u, a, (i, e)] -> [(i, a), (u, e)]: rows κ = 8i + a, columns token 2u + e.
         v0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u0, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
-                                          [64, BLOCK_N]), a_op, assert_trivial=True)
-        v1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u1, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
                                           [64, BLOCK_N]), a_op, assert_trivial=True)
         # A fresh accumulator per tile, added with round-to-nearest float32 adds: chained through the
         # tensor cores over a long chunk, the 128·Σw offset in the codes lost precision (4e-3 at 4K rows).
         o0 += mma_v2(v0, b0, o_zero)
-        o1 += mma_v2(v1, b1, o_zero)
+        if D == 128:
+            u1 = _unpack_words(gl.expand_dims(vw1, 2), VL)
+            v1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u1, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
+                                              [64, BLOCK_N]), a_op, assert_trivial=True)
+            o1 += mma_v2(v1, b1, o_zero)
 
     # Output channel 64B + π(κ) of head r: 4^-ρ(κ)·(O^T_B[κ, r] − 128·Σw_B) + Σ w_B z_B/4.
     kappa = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     oc = gl.arange(0, NP, layout=gl.SliceLayout(0, mma))
-    r = oc // (NP // R4)
+    r = r0 + oc // (NP // R4)
     real = ((oc % (NP // R4)) == 0) & (r < HG)
     rho = _rho_scale(kappa)[:, None]
     ws0 = gl.convert_layout(gl.sum(w_sum0, axis=0), HL)
@@ -372,8 +441,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     optr = po_ptr + (slot * HG + r)[None, :] * D + (8 * (kappa % 8) + kappa // 8)[:, None]
     omask = real[None, :] & (kappa >= 0)[:, None]
     gl.store(optr, rho * (o0 - 128.0 * ws0) + zs0, mask=omask)
-    gl.store(optr + 64, rho * (o1 - 128.0 * ws1) + zs1, mask=omask)
+    if D == 128:
+        gl.store(optr + 64, rho * (o1 - 128.0 * ws1) + zs1, mask=omask)
     l = gl.convert_layout(gl.sum(l, axis=0), HL)
-    rr = gl.arange(0, R4, layout=HL)
+    rr = r0 + gl.arange(0, R4, layout=HL)
     gl.store(pm_ptr + slot * HG + rr, m, mask=rr < HG)
     gl.store(pl_ptr + slot * HG + rr, l, mask=rr < HG)
