@@ -54,7 +54,7 @@ def copy_bandwidth() -> float:
 
 
 def orthogonal(heads, d, gen):
-    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, device="cuda", dtype=torch.float64))[0].float()
+    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, device="cuda", dtype=torch.float64))[0].float().contiguous()
 
 
 def layer_of(kv_heads, d, gen):

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from oscar_core.kvstore import Int2KVCache
+from oscar_core.triton.launch import CachedKernel
 from oscar_core.triton.write import dot
 
 LOG2E = 1.4426950408889634
@@ -549,10 +550,15 @@ def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tens
     hg = heads // kv_heads
     out = torch.empty(bsz, heads, d, dtype=torch.bfloat16, device=q.device)
     block_e = 16
-    _rotate_kernel[(bsz * kv_heads, d // block_e)](
-        q.contiguous(), key_rotation.float().contiguous(), out, HKV=kv_heads, HG=hg, HGP=_pow2(hg), D=d,
-        BLOCK_E=block_e, num_warps=4)
+    _launch(_rotate_kernel)(
+        (bsz * kv_heads, d // block_e), q.contiguous(), key_rotation.float().contiguous(), out, HKV=kv_heads, HG=hg,
+        HGP=_pow2(hg), D=d, BLOCK_E=block_e, num_warps=4)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(fn) -> CachedKernel:
+    return CachedKernel(fn)
 
 
 @functools.lru_cache(maxsize=None)
@@ -716,7 +722,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
                      key_t: bool | None = None, fused: bool = False, gluon: bool | None = None,
-                     heads_per_program: int = 4) -> torch.Tensor:
+                     heads_per_program: int | None = None) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     Three launches (query rotation, split kernel, reduce), or with fused one: the query rotated inside
@@ -733,7 +739,9 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     Every sequence needs at least one token. The cache tensors must be contiguous.
     A store with keys per channel (cache.key_axis "channel") is read in tiles of at most its key block
     (block_n ≤ G), its scales folded into the query per tile. heads_per_program: query heads a Gluon
-    program takes (4 or 8; a KV head's HG heads are split among cdiv(HG, it) programs).
+    program takes (4 or 8; a KV head's HG heads are split among cdiv(HG, it) programs); None: 8 for 7 or more
+    than 8 heads a KV head, else 4 (bench/results/shapes.md at 100K x 8: GQA 7 0.26 against 0.33 ms, GQA 16
+    0.19 against 0.23; GQA 5 and 8 0.43 against 0.51).
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
@@ -751,7 +759,9 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     if gluon is None:
         # Up to 16 (sequence, KV head) pairs the Triton programs' one launch fewer wins at 8K tokens, the Gluon
         # programs at 32K (kernel.md, batch 1: 0.025 against 0.033 ms, 0.044 against 0.039).
-        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 16384)
+        # From 9 query heads per KV head on, the Gluon programs at every length (the Triton programs' value
+        # accumulators spill: 0.39 against 0.07 ms at 16K x 8, 32/2 heads, shapes.md).
+        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 16384 or hg > 8)
     elif gluon and (fused or not gluon_supported(q, cache)):
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64 or 128, groups of 64 or "
                          "128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
@@ -763,6 +773,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     num_stages = num_stages or cfg["num_stages"]
     nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
     if gluon:
+        if heads_per_program is None:
+            heads_per_program = 8 if hg == 7 or hg > 8 else 4
         consts = gluon_constexprs(cache, heads, d, nw, heads_per_program)
         # One whole wave of programs: each INT2 split is HT programs.
         cfg["waves"] = max(1, _gluon_programs_per_sm(cache, consts, q.device) // consts["HT"])
@@ -798,8 +810,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         side.wait_stream(torch.cuda.current_stream(q.device))
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         # The window programs (with gluon), or every program.
-        _split_kernel[(nw if gluon else ns, bsz * kv_heads)](
-            q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
+        _launch(_split_kernel)(
+            (nw if gluon else ns, bsz * kv_heads), q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
             cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale,
             cache.value_zero, cache.lengths, po, pm, pl, counters, rv, mean, out,
             scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
@@ -808,14 +820,14 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
             USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
             TB=tb, R=cache.ring_slots if tb > 1 else 1, num_warps=num_warps, num_stages=num_stages)
     if gluon:
-        _gluon()._int2_split_kernel[(max(n_int2, 1) * consts["HT"], bsz * kv_heads)](
-            *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), max(n_int2, 1), cfg["min_chunk"], ns),
+        _launch(_gluon()._int2_split_kernel)(
+            (max(n_int2, 1) * consts["HT"], bsz * kv_heads), *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), max(n_int2, 1), cfg["min_chunk"], ns),
             num_warps=1, **consts)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     if not fused:
-        _reduce_kernel[(bsz * kv_heads, d // block_c)](
-            po, pm, pl, py, counters, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg),
+        _launch(_reduce_kernel)(
+            (bsz * kv_heads, d // block_c), po, pm, pl, py, counters, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg),
             SB=min(8192 // (_pow2(hg) * block_c), max(8, _pow2(ns))), BLOCK_C=block_c,
             HAS_MEAN=value_mean is not None, num_warps=4)
     return out

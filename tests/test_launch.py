@@ -1,0 +1,42 @@
+"""CachedKernel: the key it caches compiled kernels under, and its JIT path (the CPU interpreter, which
+returns no compiled kernel, so every call takes it). The direct launches run on the GPU (bench/shapes.py
+checks their outputs against the reference)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from oscar_core.triton.launch import CachedKernel, specialization  # noqa: E402
+
+
+@triton.jit
+def _scale(x_ptr, out_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n) * FACTOR, mask=i < n)
+
+
+def test_the_key_tells_apart_what_triton_specializes_on():
+    x = torch.zeros(8)
+    assert specialization(x) == specialization(torch.ones(8)) != specialization(x[1:])   # 16-byte alignment
+    assert specialization(x) != specialization(x.double())
+    assert len({specialization(v) for v in (1, 2, 16, 32, 2**40)}) == 4                  # 16 and 32 agree
+    assert specialization(True) != specialization(1)
+    assert specialization(0.5) == specialization(2.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path")
+def test_interpreted_kernels_run_through_the_jit_every_call():
+    launch = CachedKernel(_scale)
+    x = torch.arange(10, dtype=torch.float32)
+    for factor in (2.0, 3.0, 2.0):
+        out = torch.zeros(10)
+        launch((2,), x, out, 10, FACTOR=factor, BLOCK=8)
+        torch.testing.assert_close(out, x * factor)
+    assert launch.compiled == {}
