@@ -34,7 +34,7 @@ class CachedKernel:
         key = (tuple(kwargs.items()), tuple(map(specialization, args)))
         kernel = self.compiled.get(key)
         if kernel is not None:
-            kernel[grid](*args, *(kwargs[name] for name in self.fn.arg_names[len(args):]))
+            kernel[grid + (1,) * (3 - len(grid))](*args, *(kwargs[name] for name in self.fn.arg_names[len(args):]))
             return
         kernel = self.fn[grid](*args, **kwargs)
         if hasattr(kernel, "function") and all(name in kwargs for name in self.fn.arg_names[len(args):]):
