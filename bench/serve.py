@@ -286,6 +286,8 @@ def main():
     p.add_argument("--prefill", default="8192,32768")
     p.add_argument("--out", default="bench/results/serve.md")
     p.add_argument("--json", default=None)
+    p.add_argument("--quick", action="store_true",
+                   help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill, write or max batch)")
     args = p.parse_args()
 
     props = torch.cuda.get_device_properties(0)
@@ -300,12 +302,12 @@ def main():
     import triton
     res["versions"] = f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
     print(json.dumps(res), flush=True)
-    res["profile"] = [profile_step(model, bundle, a) for a in ("bf16-dynamic", "int2-eager")]
-    res["profile"] += [profile_step(model, bundle, a, 4, 102400) for a in ("bf16-flash", "int2-eager")]
-    bw = copy_bandwidth()
-    res["write"] = bench_write_kernels(bw)
+    quick = args.quick
+    res["profile"] = [] if quick else [profile_step(model, bundle, a) for a in ("bf16-dynamic", "int2-eager")]
+    res["profile"] += [] if quick else [profile_step(model, bundle, a, 4, 102400) for a in ("bf16-flash", "int2-eager")]
+    res["write"] = None if quick else bench_write_kernels(copy_bandwidth())
     res["prefill"] = []
-    for context in map(int, args.prefill.split(",")):
+    for context in [] if quick else map(int, args.prefill.split(",")):
         for arm in ("bf16-dynamic", "int2-eager"):
             res["prefill"].append(time_prefill(model, bundle, arm, context))
     res["points"] = []
@@ -313,6 +315,8 @@ def main():
         context, batch = map(int, point.split("x"))
         arms = ("bf16-dynamic", "int2-eager") if context <= 8192 else \
             ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
+        if quick:
+            arms = ("bf16-flash", "int2-eager", "int2-graph")
         for arm in arms:
             res["points"].append(run_point(model, bundle, arm, batch, context, args.steps))
     # The largest batch at this context that fits beside the weights (2 GiB kept for activations and work).
@@ -321,7 +325,7 @@ def main():
     res["plan"] = plan | dict(budget_gib=budget / GIB)
     print(json.dumps(res["plan"]), flush=True)
     cap = args.max_batch_cap or 10 ** 9
-    for arm, batch in (("bf16-flash", min(cap, plan["bf16_max_batch"])), ("int2-graph", min(cap, plan["max_batch"]))):
+    for arm, batch in [] if quick else (("bf16-flash", min(cap, plan["bf16_max_batch"])), ("int2-graph", min(cap, plan["max_batch"]))):
         done = [r for r in res["points"] if (r["arm"], r["batch"], r["context"]) == (arm, batch, args.max_batch_context)]
         if done:
             done[0]["max_batch"] = True
@@ -352,7 +356,7 @@ def render(res: dict) -> str:
               "|---|---|---|---|"]
     lines += [f"| {r['context']} | {r['arm']} | {r['s']:.3f} | {r['peak_gib']:.1f} |" for r in res["prefill"]]
     lines += ["", "Write kernels (100K tokens x 8 heads x 128):", "", "| kernel | ms | GB/s |", "|---|---|---|"]
-    lines += [f"| {k} | {v['ms']:.3f} | {v['gbps']:.0f} |" for k, v in res["write"].items() if isinstance(v, dict)]
+    lines += [f"| {k} | {v['ms']:.3f} | {v['gbps']:.0f} |" for k, v in (res["write"] or {}).items() if isinstance(v, dict)]
     lines += ["", "One eager decode step, torch.profiler counts:", "",
               "| arm | host-to-device copies | device-to-host copies | syncs | item() | launches | host ms |",
               "|---|---|---|---|---|---|---|"]
