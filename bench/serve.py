@@ -56,8 +56,9 @@ def qwen3_8b(layers: int):
     return model.eval()
 
 
-def random_bundle(layers: int, kv_heads: int = 8, d: int = 128):
-    """The bundle fields OscarCache reads: random orthogonal R_K, R_V, means and clips per layer."""
+def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = "token"):
+    """The bundle fields OscarCache reads: random orthogonal R_K, R_V, means and clips per layer, keys of every
+    layer per token or per channel (over blocks of 64 tokens)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     tensors = {}
     for i in range(layers):
@@ -69,8 +70,8 @@ def random_bundle(layers: int, kv_heads: int = 8, d: int = 128):
     manifest = SimpleNamespace(
         name="random", model=SimpleNamespace(num_layers=layers, num_heads=32, num_kv_heads=kv_heads, head_dim=d),
         quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=64, recent_tokens=256),
-        rotation=SimpleNamespace(layers=None))
-    return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get((i, name)))
+        rotation=SimpleNamespace(layers=None, windows=None))
+    return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get((i, name)), key_axis=lambda i: key_axis)
 
 
 def random_kv(batch: int, context: int, seed: int = 0):
@@ -286,6 +287,7 @@ def main():
     p.add_argument("--prefill", default="8192,32768")
     p.add_argument("--out", default="bench/results/serve.md")
     p.add_argument("--json", default=None)
+    p.add_argument("--key-axis", default="token", choices=("token", "channel"), help="the bundle's keys, every layer")
     p.add_argument("--quick", action="store_true",
                    help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill, write or max batch)")
     args = p.parse_args()
@@ -293,9 +295,9 @@ def main():
     props = torch.cuda.get_device_properties(0)
     t0 = time.perf_counter()
     model = qwen3_8b(args.layers)
-    bundle = random_bundle(args.layers)
+    bundle = random_bundle(args.layers, key_axis=args.key_axis)
     weights = torch.cuda.memory_allocated()
-    res = dict(device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
+    res = dict(key_axis=args.key_axis, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
                torch=torch.__version__, layers=args.layers, steps=args.steps, build_s=time.perf_counter() - t0,
                date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     import transformers
@@ -343,7 +345,8 @@ def main():
 
 def render(res: dict) -> str:
     lines = [f"# Serving: decode steps through BF16 caches and the INT2 OscarCache ({res['device']})", "",
-             f"- {res['date']}; {res['versions']}; model: random-initialised Qwen3-8B shapes, {res['layers']} layers, "
+             f"- {res['date']}; {res['versions']}; model: random-initialised Qwen3-8B shapes, {res['layers']} layers, keys per "
+             f"{res.get('key_axis', 'token')}, "
              f"weights {res['weights_gib']:.1f} GiB of {res['total_gib']:.1f} GiB", "",
              "| context x batch | arm | ms / step | tokens/s | peak GiB | note |", "|---|---|---|---|---|---|"]
     for r in res["points"]:
