@@ -30,7 +30,7 @@ The groups of a head are stacked as extra rows (row = g·HGP + r): key rows carr
 to group g, value rows carry a = p·step_g; the rows of each group are summed (keys) or the columns
 of group g picked (values) afterwards.
 
-Keys per channel (a store with key_axis "channel", blocks of G tokens; Triton programs only): every tile
+Keys per channel (a store with key_axis "channel", blocks of G tokens; here and in decode_gluon): every tile
 lies inside one block (BLOCK_N ≤ G), whose step_c and z_c hold for all its tokens, so
   q̃·k̂_t = Σ_c (q̃_c·step_c)·code[t, c] + Σ_c q̃_c·step_c·z_c/4
 the products run on the query scaled once a tile and the zero codes add one offset a row
@@ -734,7 +734,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
     Launch settings left as None come from default_config (key_t: the score tile's orientation).
     gluon: the INT2 programs in Gluon (decode_gluon.py, one launch of their own beside the window programs);
-    None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs or 16K INT2 rows;
+    None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs, 16K INT2 rows or 8
+    query heads per KV head;
     True to require them (ValueError where they cannot).
     Every sequence needs at least one token. The cache tensors must be contiguous.
     A store with keys per channel (cache.key_axis "channel") is read in tiles of at most its key block
