@@ -29,6 +29,7 @@ def test_the_key_tells_apart_what_triton_specializes_on():
     assert len({specialization(v) for v in (1, 2, 16, 32, 2**40)}) == 4                  # 16 and 32 agree
     assert specialization(True) != specialization(1)
     assert specialization(0.5) == specialization(2.0)
+    assert specialization(torch.tensor(16).item()) == specialization(16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path")

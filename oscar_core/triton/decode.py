@@ -39,6 +39,7 @@ S + n_int2 on, n_int2 = ⌊(L − S − W)/G⌋·G.
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -745,6 +746,75 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     0.19 against 0.23; GQA 5 and 8 0.43 against 0.51).
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
+    has_mean = value_mean is not None
+    key = (q.device, bsz, heads, d, cache.key_codes.shape[1:3], cache.key_group_size, cache.value_group_size,
+           cache.key_axis, cache.sink_tokens, cache.ring_slots, max_length, block_n, block_w, num_warps, num_stages,
+           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm,
+                                   key_t, fused, gluon, heads_per_program, has_mean)
+    kv_heads = cache.key_codes.shape[1]
+    q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation)
+    work = torch.empty(plan.work, dtype=torch.float32, device=q.device)
+    split = plan.split
+    po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):split * (d + 2)]
+    py = work[split * (d + 2):]
+    if out is None:
+        out = torch.empty(bsz, heads, d, dtype=q.dtype, device=q.device)
+    rk = key_rotation.float().contiguous()
+    rv = value_rotation.float().contiguous()
+    mean = value_mean.float().contiguous() if has_mean else rv
+    counters = _counters(q.device, bsz * kv_heads)
+    scale_log2 = scaling * LOG2E
+    # Captured into a CUDA graph, the window programs run on a stream of their own beside the Gluon INT2
+    # programs (two branches of the graph); eager calls keep one stream (their time is the host's).
+    side = _side_stream(q.device) if plan.gluon and torch.cuda.is_current_stream_capturing() else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        # The window programs (with gluon), or every program.
+        _launch(_split_kernel)(
+            plan.split_grid, q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
+            cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale,
+            cache.value_zero, cache.lengths, po, pm, pl, counters, rv, mean, out, scale_log2, math.log2(scale_log2),
+            cache.key_codes.shape[2], plan.n_int2, plan.min_chunk, plan.ns, **plan.split_consts)
+    if plan.gluon:
+        _launch(_gluon()._int2_split_kernel)(
+            plan.gluon_grid, *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), plan.n_int2, plan.min_chunk,
+                                          plan.ns), **plan.gluon_consts)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
+    if not fused:
+        _launch(_reduce_kernel)(plan.reduce_grid, po, pm, pl, py, counters, rv, mean, out, plan.ns,
+                                **plan.reduce_consts)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """decode_attention's launch settings for one shape of call, worked out once (_PLANS)."""
+    gluon: bool
+    ns: int                 # splits a (sequence, KV head): window programs, then INT2 programs
+    n_int2: int             # INT2 splits a (sequence, KV head)
+    min_chunk: int
+    split: int              # partial rows: B·H_kv·ns·HG
+    work: int               # float32 elements of the partials and the reduce's shares
+    split_grid: tuple
+    split_consts: dict
+    gluon_grid: tuple
+    gluon_consts: dict
+    reduce_grid: tuple
+    reduce_consts: dict
+
+
+_PLANS: dict = {}
+
+
+def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused, gluon,
+          heads_per_program, has_mean) -> _Plan:
+    """Check the shape and derive every launch setting of decode_attention (its docstring)."""
+    bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
     gk, gv = cache.key_group_size, cache.value_group_size
@@ -773,6 +843,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
+    consts = {}
     if gluon:
         if heads_per_program is None:
             heads_per_program = 8 if hg == 7 or hg > 8 else 4
@@ -783,52 +854,26 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     key_t = cfg["key_t"] if key_t is None else key_t
     # At least one INT2 program per pair, so a sequence longer than max_length is still read whole.
     _, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
-    ns = nw + max(n_int2, 1)
-
+    n_int2 = max(n_int2, 1)
+    ns = nw + n_int2
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
     qp = max(16, hgp)
     # Splits merged per step in the fused merge: the [SB, QP, d] partial tile at about 64 registers a thread.
     sb = max(1, min(32, _pow2(ns), 2048 * num_warps // (qp * d)))
     sb = 1 << (sb.bit_length() - 1)
-    q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation)
     split = bsz * kv_heads * ns * hg
     block_c = min(d, 16)
     shares = 0 if fused else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
-    work = torch.empty(split * (d + 2) + shares, dtype=torch.float32, device=q.device)
-    po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):split * (d + 2)]
-    py = work[split * (d + 2):]
-    if out is None:
-        out = torch.empty(bsz, heads, d, dtype=q.dtype, device=q.device)
-    rk = key_rotation.float().contiguous()
-    rv = value_rotation.float().contiguous()
-    mean = value_mean.float().contiguous() if value_mean is not None else rv
-    counters = _counters(q.device, bsz * kv_heads)
-    scale_log2 = scaling * LOG2E
-    # Captured into a CUDA graph, the window programs run on a stream of their own beside the Gluon INT2
-    # programs (two branches of the graph); eager calls keep one stream (their time is the host's).
-    side = _side_stream(q.device) if gluon and torch.cuda.is_current_stream_capturing() else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        # The window programs (with gluon), or every program.
-        _launch(_split_kernel)(
-            (nw if gluon else ns, bsz * kv_heads), q_in, rk, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
-            cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale,
-            cache.value_zero, cache.lengths, po, pm, pl, counters, rv, mean, out,
-            scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], max(n_int2, 1), cfg["min_chunk"], ns,
-            HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens, HGP=hgp,
-            QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16), KEY_T=key_t,
-            USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=value_mean is not None, F32=not q.is_cuda,
-            TB=tb, R=cache.ring_slots if tb > 1 else 1, num_warps=num_warps, num_stages=num_stages)
-    if gluon:
-        _launch(_gluon()._int2_split_kernel)(
-            (max(n_int2, 1) * consts["HT"], bsz * kv_heads), *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), max(n_int2, 1), cfg["min_chunk"], ns),
-            num_warps=1, **consts)
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
-    if not fused:
-        _launch(_reduce_kernel)(
-            (bsz * kv_heads, d // block_c), po, pm, pl, py, counters, rv, mean, out, ns, HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg),
-            SB=min(8192 // (_pow2(hg) * block_c), max(8, _pow2(ns))), BLOCK_C=block_c,
-            HAS_MEAN=value_mean is not None, num_warps=4)
-    return out
+    return _Plan(
+        gluon=gluon, ns=ns, n_int2=n_int2, min_chunk=cfg["min_chunk"], split=split, work=split * (d + 2) + shares,
+        split_grid=(nw if gluon else ns, bsz * kv_heads),
+        split_consts=dict(HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens,
+                          HGP=hgp, QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16),
+                          KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
+                          F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1, num_warps=num_warps,
+                          num_stages=num_stages),
+        gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads), gluon_consts=dict(num_warps=1, **consts),
+        reduce_grid=(bsz * kv_heads, d // block_c),
+        reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),
+                                                                           max(8, _pow2(ns))),
+                           BLOCK_C=block_c, HAS_MEAN=has_mean, num_warps=4))

@@ -13,13 +13,16 @@ import torch
 
 def specialization(arg) -> tuple:
     """What triton compiles a kernel argument's value into."""
+    kind = type(arg)
+    if kind is int:
+        return int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
+    if kind is bool:
+        return bool, arg
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool):
-        return bool, arg
     if isinstance(arg, int):
-        return int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
-    return (type(arg),)
+        return specialization(int(arg))
+    return (kind,)
 
 
 class CachedKernel:
