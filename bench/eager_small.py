@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shapes import eager_ms, graph_ms, layer_of, random_store, rel_err  # noqa: E402
+from shapes import eager_ms, graph_bench, layer_of, random_store, rel_err  # noqa: E402
 
 from oscar_core import kvstore  # noqa: E402
 from oscar_core.triton import decode  # noqa: E402
@@ -52,8 +52,8 @@ def main():
             return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=D ** -0.5,
                                                                     enable_gqa=True)
 
-        row = [eager_ms(sdpa), eager_ms(int2(False)), eager_ms(int2(True)), graph_ms(sdpa), graph_ms(int2(False)),
-               graph_ms(int2(True))]
+        row = [eager_ms(sdpa), eager_ms(int2(False)), eager_ms(int2(True)), graph_bench(sdpa), graph_bench(int2(False)),
+               graph_bench(int2(True))]
         lines.append(f"| {context} x {bsz} | " + " | ".join(f"{x:.4f}" for x in row) + f" | {err:.2e} |")
         print(lines[-1], flush=True)
         del cache, k, v

@@ -8,25 +8,19 @@ Codes, scales and zeros are random bytes (the work does not depend on them); Qwe
 """
 
 import argparse
+import os
+import sys
 
 import torch
 
-from oscar_core import kvstore
-from oscar_core.triton import decode
+sys.path.insert(0, os.path.dirname(__file__))
+from shapes import random_store  # noqa: E402
+
+from oscar_core.triton import decode  # noqa: E402
 
 
 def random_cache(batch, kv_heads, context, gen):
-    cache = kvstore.empty_cache(batch, kv_heads, 128, context, device="cuda")
-    for t in (cache.key_codes, cache.value_codes):
-        t.copy_(torch.randint(0, 256, t.shape, generator=gen, device="cuda", dtype=torch.uint8))
-    for t in (cache.key_scale, cache.value_scale):
-        t.copy_(torch.randint(100, 140, t.shape, generator=gen, device="cuda", dtype=torch.uint8))
-    for t in (cache.key_zero, cache.value_zero):
-        t.copy_(torch.randint(-8, 8, t.shape, generator=gen, device="cuda", dtype=torch.int8))
-    for t in (cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent):
-        t.normal_(generator=gen)
-    cache.lengths.fill_(context)
-    return cache
+    return random_store(batch, kv_heads, 128, context, 64, 64, "token", gen)
 
 
 def main():

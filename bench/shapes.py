@@ -16,15 +16,18 @@ Imports only torch, triton and oscar_core's torch-only modules, so it runs on a 
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
-from oscar_core import kvstore
-from oscar_core.triton import decode
+sys.path.insert(0, os.path.dirname(__file__))
+from kernel import copy_bandwidth, graph_bench, orthogonal  # noqa: E402
+
+from oscar_core import kvstore  # noqa: E402
+from oscar_core.triton import decode  # noqa: E402
 
 SHAPES = [  # label, query heads, KV heads, head_dim, key group (or block), value group, key axis
     ("Qwen3-8B 32/8 d128", 32, 8, 128, 64, 64, "token"),
@@ -46,32 +49,12 @@ SIZES = [(16384, 1), (16384, 8), (100_000, 8)]
 RAGGED = [7, 700, 4097, 12345]
 
 
-def copy_bandwidth() -> float:
-    src = torch.randn(2**29, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3)
-
-
-def orthogonal(heads, d, gen):
-    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, device="cuda", dtype=torch.float64))[0].float().contiguous()
-
-
 def layer_of(kv_heads, d, gen):
     return kvstore.LayerRotation(orthogonal(kv_heads, d, gen), orthogonal(kv_heads, d, gen),
                                  torch.full((kv_heads,), 0.96, device="cuda"),
                                  torch.full((kv_heads,), 0.92, device="cuda"),
                                  torch.randn(kv_heads, d, generator=gen, device="cuda") * 0.5,
                                  torch.randn(kv_heads, d, generator=gen, device="cuda") * 0.5)
-
-
-def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
 
 
 def eager_ms(fn, calls: int = 100) -> float:
@@ -152,9 +135,9 @@ def time_size(shape, context, bsz, bandwidth, gen) -> dict:
                                                d ** -0.5, max_length=context, out=out, **kw)
 
     nbytes = kvstore.store_nbytes(bsz, context, kv_heads, d, gk, gv, key_axis=axis) + 2 * 2 * q.numel()
-    row.update(floor=nbytes / bandwidth * 1e3, int2_graph=graph_ms(int2()), int2_eager=eager_ms(int2()))
+    row.update(floor=nbytes / bandwidth * 1e3, int2_graph=graph_bench(int2()), int2_eager=eager_ms(int2()))
     if decode.gluon_supported(q, cache) and heads // kv_heads > 4:
-        row["int2_graph_8heads"] = graph_ms(int2(gluon=True, heads_per_program=8))
+        row["int2_graph_8heads"] = graph_bench(int2(gluon=True, heads_per_program=8))
     del cache
     k = torch.randn(bsz, kv_heads, context, d, generator=gen, device="cuda").bfloat16()
     v = torch.randn(bsz, kv_heads, context, d, generator=gen, device="cuda").bfloat16()
@@ -163,7 +146,7 @@ def time_size(shape, context, bsz, bandwidth, gen) -> dict:
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=d ** -0.5, enable_gqa=True)
 
-    row.update(sdpa_graph=graph_ms(sdpa), sdpa_eager=eager_ms(sdpa))
+    row.update(sdpa_graph=graph_bench(sdpa), sdpa_eager=eager_ms(sdpa))
     del k, v
     torch.cuda.empty_cache()
     return row
@@ -177,7 +160,7 @@ def render(checks, rows, bandwidth) -> str:
         f"{torch.__version__}, triton {triton.__version__}; copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s",
         "- 64 sink + 256 recent tokens in BF16 (plus the key block's ring for keys per channel); one query token "
         "per sequence, every sequence at the full context",
-        "- graph: median CUDA-graph replay (L2 cleared before each); eager: wall clock per call of 100 calls "
+        "- graph: median CUDA-graph replay (bench/kernel.py graph_bench, L2 cleared before each); eager: wall clock per call of 100 calls "
         "from Python; x SDPA: SDPA time / INT2 time, same mode; of floor: floor time / INT2 graph time",
         "- err: max over rows of ‖out − ref‖/‖ref‖ against kvstore.decode_attention_reference, ragged lengths "
         f"{RAGGED}, with and without the value mean", "",

@@ -379,6 +379,32 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
 
 
 @triton.jit
+def _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
+            CACHE: tl.constexpr):
+    """õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s over the NS splits whose partials start at row
+    base: SB splits a step with a running max; splits with l_s = 0 (empty) are left unread. CACHE: the loads'
+    cache modifier (".cg" for partials another program of this launch wrote)."""
+    m_run = tl.full([r.shape[0]], -1e30, tl.float32)
+    l_sum = tl.zeros([r.shape[0]], tl.float32)
+    o = tl.zeros([r.shape[0], c.shape[0]], tl.float32)
+    for s0 in range(0, NS, SB):
+        s = s0 + tl.arange(0, SB)
+        mask = (s < NS)[:, None] & rmask[None, :]
+        idx = base + s[:, None] * HG + r[None, :]
+        ms = tl.load(pm_ptr + idx, mask=mask, other=-1e30, cache_modifier=CACHE)
+        ls = tl.load(pl_ptr + idx, mask=mask, other=0.0, cache_modifier=CACHE)
+        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=(mask & (ls > 0))[:, :, None],
+                       other=0.0, cache_modifier=CACHE)
+        m_new = tl.maximum(m_run, tl.max(ms, axis=0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(ms - m_new[None, :])
+        l_sum = l_sum * alpha + tl.sum(w * ls, axis=0)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
+        m_run = m_new
+    return o / tl.where(rmask, l_sum, 1.0)[:, None]
+
+
+@triton.jit
 def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.constexpr, D: tl.constexpr,
            QP: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
     """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for the HG heads of (sequence, KV head) bh,
@@ -388,24 +414,7 @@ def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.
     rmask = r < HG
     c = tl.arange(0, D)
     base = bh * NS * HG
-    m_run = tl.full([QP], -1e30, tl.float32)
-    l_sum = tl.zeros([QP], tl.float32)
-    o = tl.zeros([QP, D], tl.float32)
-    for s0 in range(0, NS, SB):
-        s = s0 + tl.arange(0, SB)
-        mask = (s < NS)[:, None] & rmask[None, :]
-        idx = base + s[:, None] * HG + r[None, :]
-        ms = tl.load(pm_ptr + idx, mask=mask, other=-1e30, cache_modifier=".cg")
-        ls = tl.load(pl_ptr + idx, mask=mask, other=0.0, cache_modifier=".cg")
-        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=(mask & (ls > 0))[:, :, None],
-                       other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(ms, axis=0))
-        alpha = tl.exp2(m_run - m_new)
-        w = tl.exp2(ms - m_new[None, :])
-        l_sum = l_sum * alpha + tl.sum(w * ls, axis=0)
-        o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
-        m_run = m_new
-    o = o / tl.where(rmask, l_sum, 1.0)[:, None]
+    o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, ".cg")
     # R_V^T by blocks of BLOCK_E output columns (a small shared-memory operand per product).
     for e0 in tl.static_range(0, D, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
@@ -491,24 +500,7 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     e = tl.arange(0, D)
     base = bh * NS * HG
     rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])       # R_V[e, c] as [c, e]
-    m_run = tl.full([HGP], -1e30, tl.float32)
-    l_sum = tl.zeros([HGP], tl.float32)
-    o = tl.zeros([HGP, BLOCK_C], tl.float32)
-    for s0 in range(0, NS, SB):
-        s = s0 + tl.arange(0, SB)
-        mask = (s < NS)[:, None] & rmask[None, :]
-        idx = base + s[:, None] * HG + r[None, :]
-        ms = tl.load(pm_ptr + idx, mask=mask, other=-1e30)
-        ls = tl.load(pl_ptr + idx, mask=mask, other=0.0)
-        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=(mask & (ls > 0))[:, :, None],
-                       other=0.0)
-        m_new = tl.maximum(m_run, tl.max(ms, axis=0))
-        alpha = tl.exp2(m_run - m_new)
-        w = tl.exp2(ms - m_new[None, :])
-        l_sum = l_sum * alpha + tl.sum(w * ls, axis=0)
-        o = o * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
-        m_run = m_new
-    o = o / tl.where(rmask, l_sum, 1.0)[:, None]
+    o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "")
     y = tl.sum(o[:, :, None] * rvt[None, :, :], axis=1)
     ys = py_ptr + (bh * (D // BLOCK_C) * HGP + r[:, None]) * D + e[None, :]
     tl.store(ys + j * HGP * D, y)
