@@ -101,11 +101,15 @@ def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
     yg = tl.reshape(y, [BT, NG, G])
     code, step, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip)
     q = _round(yg / step[:, :, None] - (zero / 4.0)[:, :, None])
-    q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
-    q = tl.reshape(q, [BT, D // 4, 4])
-    shifts = tl.arange(0, 4) * 2
-    packed = tl.sum(q << shifts[None, None, :], axis=2).to(tl.uint8)
-    return packed, code.to(tl.uint8), zero.to(tl.int8)
+    return _pack(tl.reshape(q, [BT, D]), BT, D), code.to(tl.uint8), zero.to(tl.int8)
+
+
+@triton.jit
+def _pack(q, BT: tl.constexpr, D: tl.constexpr):
+    """Rounded codes q [BT, D] float32, clamped to 0..3 and packed four a byte along the channels (channel
+    4j + i at bits 2i of byte j): uint8 [BT, D/4]."""
+    q = tl.reshape(tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32), [BT, D // 4, 4])
+    return tl.sum(q << (tl.arange(0, 4) * 2)[None, None, :], axis=2).to(tl.uint8)
 
 
 @triton.jit
@@ -303,11 +307,7 @@ def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr):
     along the channels: (bytes uint8 [BT, D/4], scale codes uint8 [D], zero codes int8 [D])."""
     code, step, zero = _group_params(tl.min(y, axis=0), tl.max(y, axis=0), clip)
     q = _round(y / step[None, :] - (zero / 4.0)[None, :])
-    q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
-    q = tl.reshape(q, [BT, D // 4, 4])
-    shifts = tl.arange(0, 4) * 2
-    packed = tl.sum(q << shifts[None, None, :], axis=2).to(tl.uint8)
-    return packed, code.to(tl.uint8), zero.to(tl.int8)
+    return _pack(q, BT, D), code.to(tl.uint8), zero.to(tl.int8)
 
 
 @triton.jit
