@@ -97,3 +97,25 @@ def write_tokenizer_and_corpus(out) -> int:
                             unk_token="<unk>").save_pretrained(out)
     (out / "corpus.txt").write_text("\n\n".join(TEXT))
     return tok.get_vocab_size()
+
+
+def cli(*args: str) -> None:
+    """Run the oscar CLI in this process (outside a test, so without capfd); it must succeed."""
+    import sys
+
+    from oscar_cli.app import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["oscar", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+    assert exit_info.value.code == 0, f"oscar {' '.join(args)} exited {exit_info.value.code}"
+
+
+def calibrate_and_export(model_dir, root):
+    """`oscar calibrate` (2 samples of 32 tokens of the model's corpus.txt) and `oscar export` of a tiny model
+    directory: (calibration directory, bundle directory)."""
+    cli("calibrate", str(model_dir), "--out", str(root / "calib"), "--data", str(model_dir / "corpus.txt"),
+        "--samples", "2", "--seq-len", "32", "--device", "cpu", "--dtype", "float32")
+    cli("export", str(root / "calib"), "--out", str(root / "zoo"), "--workers", "1")
+    return root / "calib", root / "zoo" / "local" / model_dir.name / "v1"

@@ -6,11 +6,10 @@ export / import / verify --compare and eval must see and rotate layers 1 and 3 o
 
 import json
 import math
-import sys
 
 import pytest
 import torch
-from conftest import run_cli, write_tokenizer_and_corpus
+from conftest import calibrate_and_export, cli, run_cli, write_tokenizer_and_corpus
 from safetensors import safe_open
 
 from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE
@@ -18,17 +17,6 @@ from oscar_core.errors import OscarError
 from oscar_core.models import attention_layer_ids, check_supported
 
 ATTENTION_LAYERS = [1, 3]
-
-
-def cli(*args: str) -> None:
-    """Run the oscar CLI in this process (outside a test, so without capfd); it must succeed."""
-    from oscar_cli.app import main
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", ["oscar", *args])
-        with pytest.raises(SystemExit) as exit_info:
-            main()
-    assert exit_info.value.code == 0, f"oscar {' '.join(args)} exited {exit_info.value.code}"
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +41,7 @@ def hybrid_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hybrid_bundle(hybrid_model, tmp_path_factory):
     """`oscar calibrate` and `oscar export` of the tiny hybrid model: (calibration directory, bundle directory)."""
-    root = tmp_path_factory.mktemp("hybrid-run")
-    cli("calibrate", str(hybrid_model), "--out", str(root / "calib"), "--data", str(hybrid_model / "corpus.txt"),
-        "--samples", "2", "--seq-len", "32", "--device", "cpu", "--dtype", "float32")
-    cli("export", str(root / "calib"), "--out", str(root / "zoo"), "--workers", "1")
-    return root / "calib", root / "zoo" / "local" / hybrid_model.name / "v1"
+    return calibrate_and_export(hybrid_model, tmp_path_factory.mktemp("hybrid-run"))
 
 
 def test_export_rotates_only_the_attention_layers(hybrid_bundle):

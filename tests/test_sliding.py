@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-from conftest import run_cli, tiny_sliding_model, write_tokenizer_and_corpus
+from conftest import calibrate_and_export, cli, run_cli, tiny_sliding_model, write_tokenizer_and_corpus
 from safetensors import safe_open
-from test_hybrid import cli
 
 from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE
 
@@ -26,11 +25,7 @@ def gemma_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gemma_bundle(gemma_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma3-run")
-    cli("calibrate", str(gemma_dir), "--out", str(root / "calib"), "--data", str(gemma_dir / "corpus.txt"),
-        "--samples", "2", "--seq-len", "32", "--device", "cpu", "--dtype", "float32")
-    cli("export", str(root / "calib"), "--out", str(root / "zoo"), "--workers", "1")
-    return root / "calib", root / "zoo" / "local" / gemma_dir.name / "v1"
+    return calibrate_and_export(gemma_dir, tmp_path_factory.mktemp("gemma3-run"))
 
 
 def test_export_rotates_only_the_layers_holding_int2(gemma_bundle):
