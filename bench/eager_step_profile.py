@@ -12,7 +12,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serve import make_cache, qwen3_8b, random_bundle  # noqa: E402
+from serve import make_cache, qwen3_model, random_bundle  # noqa: E402
 
 from oscar_core.decode_graph import GreedyDecoder  # noqa: E402
 
@@ -20,7 +20,7 @@ from oscar_core.decode_graph import GreedyDecoder  # noqa: E402
 def main():
     layers, context, batch = (int(x) for x in (sys.argv[1:4] if len(sys.argv) > 3 else (4, 32768, 8)))
     axis = sys.argv[4] if len(sys.argv) > 4 else "token"
-    model = qwen3_8b(layers)
+    model = qwen3_model(layers)
     bundle = random_bundle(layers, key_axis=axis)
     cache = make_cache("int2-eager", model, bundle, batch, context, 64)
     ids = torch.full((batch, 1), 11, dtype=torch.long, device="cuda")

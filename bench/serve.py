@@ -20,6 +20,7 @@ is timed separately at a size that fits, and the write kernels' bandwidth on 100
 A torch.profiler trace of one eager decode step counts host-to-device copies, syncs and launches.
 
     python3 bench/serve.py --out bench/results/serve.md
+    python3 bench/serve.py --model Qwen3-32B --layers 24 --out bench/results/serve_qwen3_32b.md   (GQA 8)
 """
 
 import argparse
@@ -43,12 +44,19 @@ SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
          "aten::_local_scalar_dense"}
 
 
-def qwen3_8b(layers: int):
+# Attention and MLP shapes of the models served here (published configs): GQA 4 and GQA 8, head_dim 128.
+SHAPES = {"Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, layers=36),
+          "Qwen3-32B": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, layers=64)}
+
+
+def qwen3_model(layers: int, name: str = "Qwen3-8B"):
+    """A random-initialised Qwen3 model of `name`'s shapes (SHAPES) with `layers` layers, bf16 on the GPU."""
     import transformers as tf
 
-    config = tf.Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                            max_position_embeddings=131072, rope_theta=1e6, tie_word_embeddings=False)
+    shape = {k: v for k, v in SHAPES[name].items() if k != "layers"}
+    config = tf.Qwen3Config(**shape, num_hidden_layers=layers, num_key_value_heads=8, head_dim=128,
+                            vocab_size=151936, max_position_embeddings=131072, rope_theta=1e6,
+                            tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -56,7 +64,7 @@ def qwen3_8b(layers: int):
     return model.eval()
 
 
-def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = "token"):
+def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = "token", heads: int = 32):
     """The bundle fields OscarCache reads: random orthogonal R_K, R_V, means and clips per layer, keys of every
     layer per token or per channel (over blocks of 64 tokens)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -68,7 +76,7 @@ def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = 
             tensors[(i, f"{side}_mean")] = 0.1 * torch.randn(kv_heads, d, generator=gen, device="cuda")
             tensors[(i, f"{side}_clip")] = torch.full((kv_heads,), clip, device="cuda")
     manifest = SimpleNamespace(
-        name="random", model=SimpleNamespace(num_layers=layers, num_heads=32, num_kv_heads=kv_heads, head_dim=d),
+        name="random", model=SimpleNamespace(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=d),
         quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=64, recent_tokens=256),
         rotation=SimpleNamespace(layers=None, windows=None))
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get((i, name)), key_axis=lambda i: key_axis)
@@ -279,7 +287,9 @@ def profile_step(model, bundle, arm: str, batch: int = 1, context: int = 4096) -
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--model", default="Qwen3-8B", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="default: the model's own (Qwen3-32B: 64, 61 GiB of "
+                   "weights; --layers 24 leaves room for long caches)")
     p.add_argument("--points", default="32768x8,102400x4,4096x1", help="context x batch, comma separated")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--max-batch-context", type=int, default=102400)
@@ -291,13 +301,14 @@ def main():
     p.add_argument("--quick", action="store_true",
                    help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill, write or max batch)")
     args = p.parse_args()
+    args.layers = args.layers or SHAPES[args.model]["layers"]
 
     props = torch.cuda.get_device_properties(0)
     t0 = time.perf_counter()
-    model = qwen3_8b(args.layers)
-    bundle = random_bundle(args.layers, key_axis=args.key_axis)
+    model = qwen3_model(args.layers, args.model)
+    bundle = random_bundle(args.layers, key_axis=args.key_axis, heads=SHAPES[args.model]["num_attention_heads"])
     weights = torch.cuda.memory_allocated()
-    res = dict(key_axis=args.key_axis, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
+    res = dict(model=args.model, key_axis=args.key_axis, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
                torch=torch.__version__, layers=args.layers, steps=args.steps, build_s=time.perf_counter() - t0,
                date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     import transformers
@@ -345,7 +356,7 @@ def main():
 
 def render(res: dict) -> str:
     lines = [f"# Serving: decode steps through BF16 caches and the INT2 OscarCache ({res['device']})", "",
-             f"- {res['date']}; {res['versions']}; model: random-initialised Qwen3-8B shapes, {res['layers']} layers, keys per "
+             f"- {res['date']}; {res['versions']}; model: random-initialised {res.get('model', 'Qwen3-8B')} shapes, {res['layers']} layers, keys per "
              f"{res.get('key_axis', 'token')}, "
              f"weights {res['weights_gib']:.1f} GiB of {res['total_gib']:.1f} GiB", "",
              "| context x batch | arm | ms / step | tokens/s | peak GiB | note |", "|---|---|---|---|---|---|"]
