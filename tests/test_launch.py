@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from oscar_core.triton.launch import CachedKernel, specialization  # noqa: E402
+from oscar_core.triton.launch import CachedKernel, launch_key  # noqa: E402
 
 
 @triton.jit
@@ -24,12 +24,16 @@ def _scale(x_ptr, out_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
 
 def test_the_key_tells_apart_what_triton_specializes_on():
     x = torch.zeros(8)
-    assert specialization(x) == specialization(torch.ones(8)) != specialization(x[1:])   # 16-byte alignment
-    assert specialization(x) != specialization(x.double())
-    assert len({specialization(v) for v in (1, 2, 16, 32, 2**40)}) == 4                  # 16 and 32 agree
-    assert specialization(True) != specialization(1)
-    assert specialization(0.5) == specialization(2.0)
-    assert specialization(torch.tensor(16).item()) == specialization(16)
+
+    def key(*args, **kwargs):
+        return launch_key(args, kwargs)
+
+    assert key(x, 16) == key(torch.ones(8), 16)
+    assert key(x, 16) != key(x[1:], 16)                      # 16-byte alignment
+    assert key(x, 16) != key(x.double(), 16)
+    assert len({key(x, v) for v in (1, 2, 16, 32, 2**40)}) == 5
+    assert key(x, 1) != key(x, True) and key(x, 1) != key(x, 1.0)
+    assert key(x, BLOCK=8) != key(x, BLOCK=16) and key(x, BLOCK=8, num_warps=4) != key(x, BLOCK=8)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path")

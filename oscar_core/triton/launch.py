@@ -3,26 +3,19 @@
 A JIT launch binds and specializes every argument in Python before it looks up the compiled kernel: with the
 40-odd arguments of the decode programs that is tens of microseconds a launch, more than the programs run at
 8K-16K tokens. CachedKernel does the JIT launch once per setting and keeps the compiled kernel it returns;
-later calls look it up by the constexprs and by what triton specializes the other arguments on (a tensor's
-dtype and 16-byte alignment; an integer's equality to 1, divisibility by 16 and width), then launch it
-directly. Where the JIT returns no compiled kernel (the CPU interpreter) every call takes the JIT path.
+later calls look it up by launch_key and launch it directly. Where the JIT returns no compiled kernel (the CPU
+interpreter) every call takes the JIT path.
 """
 
 import torch
 
 
-def specialization(arg) -> tuple:
-    """What triton compiles a kernel argument's value into."""
-    kind = type(arg)
-    if kind is int:
-        return int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
-    if kind is bool:
-        return bool, arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, int):
-        return specialization(int(arg))
-    return (kind,)
+def launch_key(args: tuple, kwargs: dict) -> tuple:
+    """What a compiled kernel depends on: the constexprs and options (kwargs), each tensor's dtype and 16-byte
+    alignment (what triton specializes a pointer on), and every other argument's value: finer than triton's
+    own specialization of integers (equality to 1, divisibility by 16, width), so never coarser."""
+    return tuple(kwargs.items()), tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                                        else (type(a), a) for a in args)
 
 
 class CachedKernel:
@@ -34,7 +27,7 @@ class CachedKernel:
         self.compiled = {}
 
     def __call__(self, grid: tuple, *args, **kwargs) -> None:
-        key = (tuple(kwargs.items()), tuple(map(specialization, args)))
+        key = launch_key(args, kwargs)
         kernel = self.compiled.get(key)
         if kernel is not None:
             kernel[grid + (1,) * (3 - len(grid))](*args, *(kwargs[name] for name in self.fn.arg_names[len(args):]))
