@@ -262,3 +262,22 @@ def test_decode_kernel_channel_keys_refuse_before_launch():
         decode.check_shape(4, 1, 128, 32, 64, "channel")
     with pytest.raises(ValueError, match="Gluon"):
         decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, None, 0.125, gluon=True)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,group,axis,per_program,expect", [
+    (32, 8, 128, 64, "token", 4, dict(R4=4, HT=1, NGK=2, NGV=2, TB=1, D=128)),
+    (32, 8, 128, 128, "token", 4, dict(R4=4, HT=1, NGK=1, NGV=1, TB=1, STAGES=0)),
+    (14, 2, 64, 64, "channel", 8, dict(HG=7, R4=8, HT=1, NGK=1, NGV=1, TB=64, D=64, STAGES=0)),
+    (14, 2, 64, 64, "channel", 4, dict(R4=4, HT=2)),
+    (32, 2, 128, 64, "token", 8, dict(HG=16, R4=8, HT=2)),
+    (9, 3, 64, 64, "token", 4, dict(HG=3, R4=4, HT=1)),
+])
+def test_gluon_programs_cover_a_kv_heads_query_heads(heads, kv_heads, d, group, axis, per_program, expect):
+    """Each KV head's HG query heads go to HT programs of R4 heads (R4·HT ≥ HG > R4·(HT − 1)), the groups
+    and key blocks as the store holds them; the cp.async ring only where its copies fit (d 128, token keys,
+    groups of 64)."""
+    cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis)
+    consts = decode.gluon_constexprs(cache, heads, d, 6, per_program)
+    assert {k: consts[k] for k in expect} == expect
+    assert consts["R4"] * consts["HT"] >= consts["HG"] > consts["R4"] * (consts["HT"] - 1)
+    assert not decode.gluon_supported(torch.zeros(1, heads, d), cache)   # not on a CPU tensor
