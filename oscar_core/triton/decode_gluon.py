@@ -1,8 +1,8 @@
 """INT2 split programs of decode attention in Gluon: the packed bytes loaded straight into mma operands.
 
-One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 128,
-groups of 64 or 128 channels, up to 16 query heads per KV head (R4 = 4, 8 or 16 columns a group), keys per
-token or per channel over blocks of 64 or 128 tokens. It replaces the INT2 programs of
+One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 64 or
+128, groups of 64 or 128 channels, keys per token or per channel over blocks of 64 or 128 tokens, R4 = 4 or 8
+query heads a program (up to 16 per KV head, over several programs). It replaces the INT2 programs of
 decode._split_kernel (same partial outputs po, pm, pl, merged by decode._reduce_kernel).
 
 The store's layout already is the operands' layout. quant.pack_int2 puts channel 4j + i of a token in
@@ -182,10 +182,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
-    run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, 128]; kw: key
-    codes as int32 words [B, H_kv, T, 8]; vh: value codes as int16 halves [B, H_kv, T, 16]; ksc, kz, vsc, vz:
+    run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
+    codes as int32 words [B, H_kv, T, D/16]; vh: value codes as int16 halves [B, H_kv, T, D/8]; ksc, kz, vsc, vz:
     scale and zero codes as bytes [B, H_kv, T, NG] (NG = 2 for groups of 64 channels, 1 for 128; zeros are
-    int8 read as uint8). TB > 1: keys per channel over blocks of TB tokens, ksc and kz [B, H_kv, T/TB, 128],
+    int8 read as uint8). TB > 1: keys per channel over blocks of TB tokens, ksc and kz [B, H_kv, T/TB, D],
     the block's step and zero folded into the query operands each tile (_channel_query). T must be a
     multiple of BLOCK_N and of TB. D: 64 or 128; the ring (STAGES > 0) only at D 128, TB 1, NGK = NGV = 2
     (decode.gluon_constexprs keeps to these)."""
