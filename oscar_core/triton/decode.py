@@ -734,7 +734,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     A store with keys per channel (cache.key_axis "channel") is read in tiles of at most its key block
     (block_n ≤ G), its scales folded into the query per tile. heads_per_program: query heads a Gluon
     program takes (4 or 8; a KV head's HG heads are split among cdiv(HG, it) programs); None: 8 for 7 or more
-    than 8 heads a KV head, else 4 (bench/results/shapes.md at 100K x 8: GQA 7 0.26 against 0.33 ms, GQA 16
+    than 8 heads a KV head, else 4 (H100, 100K x 8, kernel_notes.md v10: GQA 7 0.26 against 0.33 ms, GQA 16
     0.19 against 0.23; GQA 5 and 8 0.43 against 0.51).
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
