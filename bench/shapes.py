@@ -126,9 +126,8 @@ def time_size(shape, context, bsz, bandwidth, gen) -> dict:
     cache = random_store(bsz, kv_heads, d, context, gk, gv, axis, gen)
     q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
     out = torch.empty_like(q)
-    row = dict(shape=label, context=context, batch=bsz,
-               program="Gluon INT2 + Triton windows" if decode.gluon_supported(q, cache) and (
-                   bsz * kv_heads > 16 or context >= 16384) else "Triton")
+    gluon = decode.launch_plan(q, cache, max_length=context).gluon
+    row = dict(shape=label, context=context, batch=bsz, program="Gluon INT2 + Triton windows" if gluon else "Triton")
 
     def int2(**kw):
         return lambda: decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,

@@ -652,11 +652,15 @@ def gluon_supported(q: torch.Tensor, cache: Int2KVCache) -> bool:
 
 
 def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_programs: int,
-                     heads_per_program: int = 4) -> dict:
+                     heads_per_program: int | None = None) -> dict:
     """decode_gluon._int2_split_kernel's constexprs for a store: HT programs of R4 query heads each cover
-    a KV head's HG heads (R4 = 4 keeps every setting within 128 registers a thread, no spills)."""
+    a KV head's HG heads (R4 = 4 keeps every setting within 128 registers a thread, no spills).
+    heads_per_program None: 8 for 7 or more than 8 heads a KV head, else 4 (H100, 100K x 8, kernel_notes.md
+    v10: GQA 7 0.26 against 0.33 ms, GQA 16 0.19 against 0.23; GQA 5 and 8 0.43 against 0.51)."""
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
+    if heads_per_program is None:
+        heads_per_program = 8 if hg == 7 or hg > 8 else 4
     r4 = max(4, _pow2(min(hg, heads_per_program)))
     tb = cache.token_block
     ngk = head_dim // cache.key_group_size if tb == 1 else 1
@@ -733,19 +737,13 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     Every sequence needs at least one token. The cache tensors must be contiguous.
     A store with keys per channel (cache.key_axis "channel") is read in tiles of at most its key block
     (block_n ≤ G), its scales folded into the query per tile. heads_per_program: query heads a Gluon
-    program takes (4 or 8; a KV head's HG heads are split among cdiv(HG, it) programs); None: 8 for 7 or more
-    than 8 heads a KV head, else 4 (H100, 100K x 8, kernel_notes.md v10: GQA 7 0.26 against 0.33 ms, GQA 16
-    0.19 against 0.23; GQA 5 and 8 0.43 against 0.51).
+    program takes (4 or 8; a KV head's HG heads are split among cdiv(HG, it) programs; None: gluon_constexprs'
+    rule).
     Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
     bsz, heads, d = q.shape
     has_mean = value_mean is not None
-    key = (q.device, bsz, heads, d, cache.key_codes.shape[1:3], cache.key_group_size, cache.value_group_size,
-           cache.key_axis, cache.sink_tokens, cache.ring_slots, max_length, block_n, block_w, num_warps, num_stages,
-           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm,
-                                   key_t, fused, gluon, heads_per_program, has_mean)
+    plan = launch_plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused,
+                       gluon, heads_per_program, has_mean)
     kv_heads = cache.key_codes.shape[1]
     q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation)
     work = torch.empty(plan.work, dtype=torch.float32, device=q.device)
@@ -803,6 +801,20 @@ class _Plan:
 _PLANS: dict = {}
 
 
+def launch_plan(q, cache, max_length=None, block_n=None, block_w=64, num_warps=None, num_stages=None, waves=None,
+                use_asm=None, key_t=None, fused=False, gluon=None, heads_per_program=None, has_mean=True) -> _Plan:
+    """The launch settings decode_attention(q, cache, ...) uses with these arguments (plan.gluon: whether the
+    Gluon programs take the INT2 rows), worked out on the first call of a shape and kept in _PLANS."""
+    key = (q.device, tuple(q.shape), cache.key_codes.shape[1:3], cache.key_group_size, cache.value_group_size,
+           cache.key_axis, cache.sink_tokens, cache.ring_slots, max_length, block_n, block_w, num_warps, num_stages,
+           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm,
+                                   key_t, fused, gluon, heads_per_program, has_mean)
+    return plan
+
+
 def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused, gluon,
           heads_per_program, has_mean) -> _Plan:
     """Check the shape and derive every launch setting of decode_attention (its docstring)."""
@@ -837,8 +849,6 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
     consts = {}
     if gluon:
-        if heads_per_program is None:
-            heads_per_program = 8 if hg == 7 or hg > 8 else 4
         consts = gluon_constexprs(cache, heads, d, nw, heads_per_program)
         # One whole wave of programs: each INT2 split is HT programs.
         cfg["waves"] = max(1, _gluon_programs_per_sm(cache, consts, q.device) // consts["HT"])

@@ -28,10 +28,12 @@ class CachedKernel:
 
     def __call__(self, grid: tuple, *args, **kwargs) -> None:
         key = launch_key(args, kwargs)
-        kernel = self.compiled.get(key)
-        if kernel is not None:
-            kernel[grid + (1,) * (3 - len(grid))](*args, *(kwargs[name] for name in self.fn.arg_names[len(args):]))
+        hit = self.compiled.get(key)
+        if hit is not None:
+            kernel, tail = hit
+            kernel[grid + (1,) * (3 - len(grid))](*args, *(kwargs[name] for name in tail))
             return
         kernel = self.fn[grid](*args, **kwargs)
-        if hasattr(kernel, "function") and all(name in kwargs for name in self.fn.arg_names[len(args):]):
-            self.compiled[key] = kernel
+        tail = self.fn.arg_names[len(args):]
+        if hasattr(kernel, "function") and all(name in kwargs for name in tail):
+            self.compiled[key] = kernel, tail
