@@ -8,11 +8,12 @@ of the ring (already rotated) is quantized into its INT2 row; nothing already st
 except once per growth of the capacity (by half, when no `capacity` was given). The per-sequence
 lengths are one device int32 tensor shared by every layer; the host keeps its own count (`seen`,
 pads included) so a decode step reads nothing back from the device.
-On CUDA a write is one Triton launch per layer (triton.write.append_kv: K and V, the whole batch),
-elsewhere the torch reference (kvstore.append). A bundle layer whose keys are quantized per channel
-(Bundle.key_axis "channel") lives in the same store with key_axis "channel": its keys and values leave
-the ring a block of G tokens at a time (kvstore's docstring); its decode steps are written by
-triton.write.append_kv plus triton.write.leave_blocks, chunks longer than the window by the torch reference.
+On CUDA a write is one Triton launch per layer (K and V, the whole batch): the first (the prefill) by
+triton.write.prefill_kv, later ones by triton.write.append_kv; elsewhere the torch reference (kvstore.append).
+A bundle layer whose keys are quantized per channel (Bundle.key_axis "channel") lives in the same store with
+key_axis "channel": its keys and values leave the ring a block of G tokens at a time (kvstore's docstring); its
+prefill is prefill_kv's, its decode steps triton.write.append_kv plus triton.write.leave_blocks, later chunks
+longer than the window the torch reference's.
 bf16 and the kivi baseline keep the SideStore below: sink, INT2 blocks and recent tokens as growing
 tensors, read in torch.
 
@@ -255,7 +256,10 @@ class OscarLayer(DynamicLayer):
         if self.counts:
             seq.advance(key_states.shape[0], n, starts, key_states.device)
         self._reserve(key_states.shape[0])
-        if self.write is not None and self.key_axis == "channel" and n <= self.recent_tokens:
+        if self.write is not None and self.seen == 0:
+            self.write.prefill_kv(self.store, key_states, value_states, *self.split, self.rotation.key_clip,
+                                  self.rotation.value_clip)
+        elif self.write is not None and self.key_axis == "channel" and n <= self.recent_tokens:
             self.write.leave_blocks(self.store, self.rotation.key_clip, self.rotation.value_clip, n, starts)
             self.write.append_kv(self.store, key_states, value_states, *self.split, self.rotation.key_clip,
                                  self.rotation.value_clip, starts, evict=False)

@@ -21,7 +21,7 @@ This module is the ground truth for oscar_core/triton/write.py and decode.py; it
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,6 +79,9 @@ class Int2KVCache:
     key_group_size: int = 64
     value_group_size: int = 64
     key_axis: str = "token"
+    # CUDA graphs of eager decode calls over this store (triton.decode.decode_attention keeps them here, so
+    # they go with the store's tensors they read).
+    graphs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def token_block(self) -> int:

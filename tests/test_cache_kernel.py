@@ -251,6 +251,42 @@ def test_write_kernel_codes_equal_reference(d, group):
             assert (a.cpu() == b).float().mean() >= 0.999
 
 
+@pytest.mark.parametrize("axis,n,starts,dtype", [("token", 70, [0, 5, 40], torch.bfloat16),
+                                                 ("channel", 70, [0, 5, 40], torch.float32),
+                                                 ("channel", 9, [0, 3, 1], torch.bfloat16),
+                                                 ("token", 130, [0, 0, 0], torch.float32)])
+def test_prefill_kernel_matches_reference(axis, n, starts, dtype):
+    """triton.write.prefill_kv (one launch, K and V) into an empty store against kvstore.append: left pads, keys
+    per token and per channel (blocks of 16), prefills shorter than the window and with whole INT2 blocks."""
+    gen = torch.Generator().manual_seed(n)
+    bsz, heads, d, s, w, g, gv = 3, 2, 64, 4, 8, 16, 32
+    layer = kvstore.LayerRotation(orthogonal(heads, d, gen), orthogonal(heads, d, gen), torch.tensor([0.96, 0.9]),
+                                  torch.tensor([0.92, 1.0]), torch.randn(heads, d, generator=gen),
+                                  torch.randn(heads, d, generator=gen))
+    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()}
+    kr = write.prepare_rotation(on["key_rotation"], on["key_mean"])
+    vr = write.prepare_rotation(on["value_rotation"], on["value_mean"])
+    ref = kvstore.empty_cache(bsz, heads, d, 140, g, gv, s, w, key_axis=axis)
+    got = kvstore.empty_cache(bsz, heads, d, 140, g, gv, s, w, device=DEVICE, key_axis=axis)
+    k = (torch.randn(bsz, heads, n, d, generator=gen) * torch.linspace(0.3, 3, d)).to(dtype)
+    v = torch.randn(bsz, heads, n, d, generator=gen).to(dtype)
+    pads = torch.tensor(starts, dtype=torch.int32)
+    kvstore.advance(ref, n, pads)
+    kvstore.advance(got, n, pads.to(DEVICE))
+    kvstore.append(ref, k, v, layer, pads)
+    write.prefill_kv(got, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"], block_t=16)
+    assert ref.int2_tokens().tolist() == got.int2_tokens().cpu().tolist()
+    for name in ("key_sink", "value_sink", "key_recent", "value_recent"):
+        a, b = getattr(got, name).float().cpu(), getattr(ref, name).float()
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-3).all(), name     # one bf16 step (the interpreter truncates)
+    for side in ("key", "value"):
+        codes = [quant.unpack_int2(getattr(c, f"{side}_codes")).cpu().int() for c in (got, ref)]
+        assert (codes[0] == codes[1]).float().mean() > 0.99
+        for name in ("scale", "zero"):
+            a, b = getattr(got, f"{side}_{name}").cpu().int(), getattr(ref, f"{side}_{name}").int()
+            assert (a == b).float().mean() > 0.99 and (a - b).abs().max() <= 1, (side, name)
+
+
 def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     from oscar_core import methods
     from oscar_core.cache import kernel_problem, write_problem
@@ -357,7 +393,10 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
     assert cache.layers[0].write is not None and not cache.reads_by_kernel()
     assert cache.layers[0].store.int2_tokens().tolist() == [32]
     err = (got - want).norm(dim=-1) / want.norm(dim=-1)
-    assert err.max() < 3e-2, err
+    # The prefill's ring is the kernel's (prefill_kv): its float32 rotation differs from torch's in the last
+    # bits, so a few bf16 values round the other way, and the block quantized from them at a decode step takes
+    # a few other scale codes (4 of 128 here): 3e-2 of this tiny random model's logits, 4e-4 with torch's ring.
+    assert err.max() < 5e-2, err
 
 
 def test_kernel_reads_beside_sliding_rings():

@@ -113,6 +113,33 @@ def test_decode_kernel_matches_reference(monkeypatch, d, heads, kv_heads, key_gr
     assert err.max() < 1e-2, err
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_eager_calls_replay_a_graph_kept_on_the_store():
+    """An eager call on CUDA replays a graph captured after its first call: the bits of a direct call with the
+    same (rounded-up) max_length, for new queries and changed lengths; a max_length in the same power-of-two
+    bucket reuses the graph, a larger one captures another."""
+    gen = torch.Generator().manual_seed(5)
+    cache, layer, q = build(gen, [900, 321], 8, 2, 128, 64, 64)
+    cache = to_device(cache)
+    args = [t.to(DEVICE) for t in (layer.key_rotation, layer.value_rotation, layer.value_mean)] + [128 ** -0.5]
+
+    def call(qq, max_length=1000, **kw):
+        return decode.decode_attention(qq, cache, *args, max_length=max_length, **kw)
+
+    call(q.to(DEVICE))
+    assert len(cache.graphs) == 1
+    for _ in range(3):
+        cache.lengths -= 7
+        q = torch.randn(q.shape, generator=gen).to(DEVICE)
+        assert torch.equal(call(q), call(q, 1024, graph=False))
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=DEVICE)
+    assert call(q, out=out) is out and torch.equal(out, call(q, 1024, graph=False).bfloat16())
+    call(q, 1020)
+    assert len(cache.graphs) == 2               # the bf16 output is a graph of its own
+    call(q, 3000)
+    assert len(cache.graphs) == 3
+
+
 def relative_errors(out, ref):
     return (out.cpu().float() - ref).norm(dim=-1) / ref.norm(dim=-1)
 

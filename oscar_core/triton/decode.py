@@ -719,7 +719,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
                      key_t: bool | None = None, fused: bool = False, gluon: bool | None = None,
-                     heads_per_program: int | None = None) -> torch.Tensor:
+                     heads_per_program: int | None = None, graph: bool | None = None) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     Three launches (query rotation, split kernel, reduce), or with fused one: the query rotated inside
@@ -739,7 +739,17 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     (block_n ≤ G), its scales folded into the query per tile. heads_per_program: query heads a Gluon
     program takes (4 or 8; a KV head's HG heads are split among cdiv(HG, it) programs; None: gluon_constexprs'
     rule).
-    Raises ValueError (before any launch) for a shape it does not support (check_shape)."""
+    Raises ValueError (before any launch) for a shape it does not support (check_shape).
+    graph: replay a CUDA graph of this call kept on the store (_replayed); None: on CUDA when no capture is
+    under way (an eager caller). Its launches are those of graph=False with max_length rounded up to a power
+    of two, so that a growing context recaptures only when it doubles."""
+    if graph is None:
+        graph = q.is_cuda and not torch.cuda.is_current_stream_capturing()
+    if graph:
+        options = dict(max_length=None if max_length is None else _pow2(max_length), block_n=block_n,
+                       block_w=block_w, num_warps=num_warps, num_stages=num_stages, waves=waves, use_asm=use_asm,
+                       key_t=key_t, fused=fused, gluon=gluon, heads_per_program=heads_per_program)
+        return _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options)
     bsz, heads, d = q.shape
     has_mean = value_mean is not None
     plan = launch_plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused,
@@ -779,6 +789,52 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
         _launch(_reduce_kernel)(plan.reduce_grid, po, pm, pl, py, counters, rv, mean, out, plan.ns,
                                 **plan.reduce_consts)
     return out
+
+
+_STORE_FIELDS = ("key_sink", "value_sink", "key_recent", "value_recent", "key_codes", "key_scale", "key_zero",
+                 "value_codes", "value_scale", "value_zero", "lengths")
+
+
+def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options: dict) -> torch.Tensor:
+    """decode_attention(q, ..., graph=False, **options) as one CUDA-graph replay: q copied into the graph's own
+    query, the graph replayed, its output copied out. Eager calls pay a copy, a replay and a copy instead of
+    three launches of 20-odd arguments (bench/results/eager_small.md). The graph is captured after the first
+    direct call with the same arguments and kept in cache.graphs, keyed by everything it reads by address (the
+    store's tensors, the rotations, the mean) and every launch setting, so it never outlives the tensors it
+    reads and a call that matches its key reads exactly the call's tensors. Calls on one stream at a time."""
+    mean_ptr = None if value_mean is None else value_mean.data_ptr()
+    key = (tuple(q.shape), q.dtype, q.device, None if out is None else out.dtype, key_rotation.data_ptr(),
+           value_rotation.data_ptr(), mean_ptr, scaling, tuple(options.values()),
+           tuple(getattr(cache, f).data_ptr() for f in _STORE_FIELDS))
+    hit = cache.graphs.get(key)
+    if hit is None:
+        result = decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False,
+                                  **options)
+        cache.graphs[key] = _capture(q, cache, key_rotation, value_rotation, value_mean, scaling,
+                                     q.dtype if out is None else out.dtype, options)
+        return result
+    graph, q_in, o = hit
+    q_in.copy_(q)
+    graph.replay()
+    if out is None:
+        return o.clone()
+    return out.copy_(o)
+
+
+def _capture(q, cache, key_rotation, value_rotation, value_mean, scaling, out_dtype, options: dict) -> tuple:
+    """(graph, its query, its output) of one decode_attention call, captured on a side stream."""
+    q_in = q.clone(memory_format=torch.contiguous_format)
+    o = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(q.device)
+    stream.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        decode_attention(q_in, cache, key_rotation, value_rotation, value_mean, scaling, out=o, graph=False,
+                         **options)
+        graph.capture_end()
+    torch.cuda.current_stream(q.device).wait_stream(stream)
+    return graph, q_in, o
 
 
 @dataclasses.dataclass(frozen=True)

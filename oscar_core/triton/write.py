@@ -64,14 +64,23 @@ def dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x, r_hi, r_lo, X_SPLIT: tl.constexpr, F32: tl.constexpr):
-    """x·(R_hi + R_lo) in float32 from bf16 products, x float32 [BT, D] (bf16-exact unless X_SPLIT)."""
+def _rotate(x, r_hi, r_lo, acc, X_SPLIT: tl.constexpr, F32: tl.constexpr):
+    """acc + x·(R_hi + R_lo) in float32 from bf16 products, x float32 [BT, D] (bf16-exact unless X_SPLIT); acc
+    float32 [BT, D] (−μ·R broadcast, or zeros)."""
     xh = x.to(tl.bfloat16)
-    y = dot(xh, r_hi, None, F32)
+    y = dot(xh, r_hi, acc, F32)
     y = dot(xh, r_lo, y, F32)
     if X_SPLIT:
         y = dot((x - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
     return y
+
+
+@triton.jit
+def _start(mr_ptr, h, BT: tl.constexpr, D: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """The rotation's accumulator before the products: −μ·R of head h broadcast over BT rows (zeros without a mean)."""
+    if HAS_MEAN:
+        return tl.broadcast_to(-tl.load(mr_ptr + h * D + tl.arange(0, D))[None, :], [BT, D])
+    return tl.zeros([BT, D], tl.float32)
 
 
 @triton.jit
@@ -94,21 +103,30 @@ def _group_params(lo, hi, clip):
 
 
 @triton.jit
+def _codes(v):
+    """round(clamp(v, 0, 3)) as int32 0..3 (= clamp(round(v), 0, 3), ties to even): the clamped value plus
+    ROUND_MAGIC holds the rounded integer in its low mantissa bits, read without a float-to-int conversion."""
+    v = tl.minimum(tl.maximum(v, 0.0), 3.0) + ROUND_MAGIC
+    return v.to(tl.int32, bitcast=True) & 3
+
+
+@triton.jit
 def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
     """quant.quantize + pack_int2 of y [BT, D] float32: (bytes uint8 [BT, D/4], scale codes uint8
-    [BT, D/G], zero codes int8 [BT, D/G])."""
+    [BT, D/G], zero codes int8 [BT, D/G]). y/step is taken as y·(1/step), which can differ from the
+    division in the last bit, so a value that close to a rounding boundary may take the other code."""
     NG: tl.constexpr = D // G
     yg = tl.reshape(y, [BT, NG, G])
     code, step, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip)
-    q = _round(yg / step[:, :, None] - (zero / 4.0)[:, :, None])
+    q = _codes(yg * (1.0 / step)[:, :, None] - (zero / 4.0)[:, :, None])
     return _pack(tl.reshape(q, [BT, D]), BT, D), code.to(tl.uint8), zero.to(tl.int8)
 
 
 @triton.jit
 def _pack(q, BT: tl.constexpr, D: tl.constexpr):
-    """Rounded codes q [BT, D] float32, clamped to 0..3 and packed four a byte along the channels (channel
-    4j + i at bits 2i of byte j): uint8 [BT, D/4]."""
-    q = tl.reshape(tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32), [BT, D // 4, 4])
+    """Codes q [BT, D] int32 in 0..3 packed four a byte along the channels (channel 4j + i at bits 2i of
+    byte j): uint8 [BT, D/4]."""
+    q = tl.reshape(q, [BT, D // 4, 4])
     return tl.sum(q << (tl.arange(0, 4) * 2)[None, None, :], axis=2).to(tl.uint8)
 
 
@@ -137,15 +155,11 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
     r_hi = tl.load(rhi_ptr + rot)
     r_lo = tl.load(rlo_ptr + rot)
     clip = tl.load(clip_ptr + h)
-    if HAS_MEAN:
-        mr = tl.load(mr_ptr + h * D + c)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
         t = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         tmask = t < tokens
         x = tl.load(x_ptr + t[:, None] * sx_t + h * sx_h + c[None, :], mask=tmask[:, None], other=0.0)
-        y = _rotate(x.to(tl.float32), r_hi, r_lo, X_SPLIT, F32)
-        if HAS_MEAN:
-            y -= mr[None, :]
+        y = _rotate(x.to(tl.float32), r_hi, r_lo, _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN), X_SPLIT, F32)
         _store_int2(codes_ptr, scale_ptr, zero_ptr, t * sc_t + h * sc_h, t * ss_t + h * ss_h, y, clip, tmask,
                     BLOCK_T, D, G)
 
@@ -176,9 +190,8 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     x = tl.load(x_ptr + b.to(tl.int64)[:, None] * sx_b + h * sx_h + t.to(tl.int64)[:, None] * sx_t + c[None, :],
                 mask=valid[:, None], other=0.0)
     rot = h * D * D + c[:, None] * D + c[None, :]
-    y = _rotate(x.to(tl.float32), tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), X_SPLIT, F32)
-    if HAS_MEAN:
-        y -= tl.load(mr_ptr + h * D + c)[None, :]
+    y = _rotate(x.to(tl.float32), tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), _start(mr_ptr, h, BT, D, HAS_MEAN),
+                X_SPLIT, F32)
     clip = tl.load(clip_ptr + h)
     slot = (pos - S) % R
     ring = ring_ptr + (bh * R + slot)[:, None] * D + c[None, :]
@@ -226,6 +239,73 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                          X_SPLIT, F32, R)
 
 
+@triton.jit
+def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, sink_ptr, ring_ptr,
+                  codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, n, T, n_tiles,
+                  H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                  R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr, HAS_MEAN: tl.constexpr,
+                  X_SPLIT: tl.constexpr, F32: tl.constexpr):
+    """One side of sequence b, KV head h, tiles p, p + P, ... of BT positions (module docstring, prefill_kv)."""
+    NG: tl.constexpr = D // G
+    J0: tl.constexpr = (S + BT - 1) // BT
+    c = tl.arange(0, D)
+    i = tl.arange(0, BT)
+    rot = h * D * D + c[:, None] * D + c[None, :]
+    r_hi = tl.load(rhi_ptr + rot)
+    r_lo = tl.load(rlo_ptr + rot)
+    clip = tl.load(clip_ptr + h)
+    length = tl.load(len_ptr + b)
+    first = n - length                                              # leading pads: the store was empty
+    int2_end = S + tl.maximum(length - S - W, 0) // TB * TB        # positions before it are INT2 (or sink)
+    bh = (b * H + h).to(tl.int64)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        pos = tl.where(tile < J0, tile * BT, S + (tile - J0) * BT) + i
+        valid = (pos < length) & ((tile >= J0) | (pos < S))
+        t = (pos + first).to(tl.int64)
+        x = tl.load(x_ptr + b.to(tl.int64) * sx_b + h * sx_h + t[:, None] * sx_t + c[None, :], mask=valid[:, None],
+                    other=0.0)
+        y = _rotate(x.to(tl.float32), r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), X_SPLIT, F32)
+        in_int2 = valid & (pos >= S) & (pos < int2_end)
+        in_ring = valid & (pos >= int2_end)
+        yb = y.to(tl.bfloat16)
+        tl.store(sink_ptr + (bh * S + pos)[:, None] * D + c[None, :], yb, mask=(valid & (pos < S))[:, None])
+        tl.store(ring_ptr + (bh * R + (pos - S) % R)[:, None] * D + c[None, :], yb, mask=in_ring[:, None])
+        row = bh * T + pos - S
+        if COLUMNS:
+            # A tile of INT2 positions is one whole key block (BT = TB = G): quantized down its columns.
+            packed, code, zero = _quantize_columns(y, clip, BT, D)
+            tl.store(codes_ptr + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], packed,
+                     mask=in_int2[:, None])
+            meta = (bh * (T // BT) + (tile - J0)) * D + c
+            block = (tile >= J0) & (S + (tile - J0) * BT < int2_end)
+            tl.store(scale_ptr + meta, code, mask=block & (c < D))
+            tl.store(zero_ptr + meta, zero, mask=block & (c < D))
+        else:
+            _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, y, clip, in_int2, BT, D, G)
+
+
+@triton.jit
+def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
+                    krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
+                    ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr,
+                    vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
+                    len_ptr, n, T, n_tiles,
+                    H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
+                    W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr,
+                    V_MEAN: tl.constexpr, X_SPLIT: tl.constexpr, F32: tl.constexpr):
+    """Grid (P, B·H_kv, 2): program (p, b·H + h, side) writes tiles p, p + P, ... of one side of sequence b."""
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    if tl.program_id(2) == 0:
+        _prefill_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, ksink_ptr, kring_ptr,
+                      kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, n, T, n_tiles, H, D, GK, S, W, R, TB, BT,
+                      TB > 1, K_MEAN, X_SPLIT, F32)
+    else:
+        _prefill_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr, vsink_ptr, vring_ptr,
+                      vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, n, T, n_tiles, H, D, GV, S, W, R, TB, BT,
+                      False, V_MEAN, X_SPLIT, F32)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -241,12 +321,21 @@ def prepare_rotation(rotation: torch.Tensor, mean: torch.Tensor | None = None):
 
 
 def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, group_size: int = 64,
-               mean: torch.Tensor | None = None, out=None, block_t: int = 128, waves: int = 4):
+               mean: torch.Tensor | None = None, out=None, block_t: int = 128, waves: int = 2):
     """Triton kvstore.write_int2: x [tokens, H_kv, d] -> (codes uint8 [tokens, H_kv, d/4],
     scale codes uint8 [tokens, H_kv, d/G], zero codes int8 [tokens, H_kv, d/G]).
 
     `out`, if given, is a triple of such tensors (views with any token/head strides, unit channel
-    stride) written in place, e.g. slices of an Int2KVCache transposed to [tokens, H_kv, ...]."""
+    stride) written in place, e.g. slices of an Int2KVCache transposed to [tokens, H_kv, ...].
+    Splits the rotation on every call (prepare_rotation); write_int2_prepared takes the split once."""
+    return write_int2_prepared(x, prepare_rotation(rotation, mean), clip, group_size, out, block_t, waves)
+
+
+def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: int = 64, out=None,
+                        block_t: int = 128, waves: int = 2, num_stages: int = 3):
+    """write_int2 with the rotation already split: split = prepare_rotation(rotation, mean). Tiles of block_t
+    tokens of one head a program, `waves` programs a multiprocessor, num_stages tiles of x in flight (H100,
+    bench/write.py: 128 tokens, 2 waves and 3 stages; a third of the time of 1 stage)."""
     tokens, heads, d = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
@@ -255,14 +344,15 @@ def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, grou
                torch.empty(tokens, heads, d // group_size, dtype=torch.uint8, device=x.device),
                torch.empty(tokens, heads, d // group_size, dtype=torch.int8, device=x.device))
     codes, scale, zero = out
-    r_hi, r_lo, mr = prepare_rotation(rotation, mean)
+    r_hi, r_lo, mr = split
     n_tiles = triton.cdiv(tokens, block_t)
     programs = max(1, min(n_tiles, -(-waves * _num_sms(x.device) // heads)))
     _write_kernel[(programs, heads)](
         x, r_hi, r_lo, r_hi if mr is None else mr, clip.float().contiguous(), codes, scale, zero, tokens, n_tiles,
         x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
-        zero.stride(0), zero.stride(1), D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mean is not None,
-        X_SPLIT=x.dtype != torch.bfloat16, F32=not x.is_cuda, num_warps=4 if block_t <= 64 else 8)
+        zero.stride(0), zero.stride(1), D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mr is not None,
+        X_SPLIT=x.dtype != torch.bfloat16, F32=not x.is_cuda, num_warps=4 if block_t <= 64 else 8,
+        num_stages=num_stages)
     return codes, scale, zero
 
 
@@ -301,12 +391,37 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
             num_warps=4 if bt <= 64 else 8)
 
 
+def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
+               value_clip: torch.Tensor, block_t: int = 128, waves: int = 2, num_stages: int = 3) -> None:
+    """Triton kvstore.append into an empty store (a prefill), keys per token or per channel: keys/values
+    [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
+    L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
+    for K and V, tiles of block_t positions (keys per channel: one key block, G tokens) that each go whole to
+    the sink, the ring or INT2 rows (a key block's columns quantized together), as kvstore.append would
+    place them. key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]."""
+    bsz, heads, n, d = keys.shape
+    s, tb = cache.sink_tokens, cache.token_block
+    bt = tb if tb > 1 else block_t
+    n_tiles = triton.cdiv(s, bt) + triton.cdiv(max(n - s, 0), bt)
+    programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * bsz * heads))))
+    (khi, klo, kmr), (vhi, vlo, vmr) = key_rot, value_rot
+    _prefill_kernel[(programs, bsz * heads, 2)](
+        keys, keys.stride(0), keys.stride(1), keys.stride(2), values, values.stride(0), values.stride(1),
+        values.stride(2), khi, klo, khi if kmr is None else kmr, key_clip, vhi, vlo, vhi if vmr is None else vmr,
+        value_clip, cache.key_sink, cache.key_recent, cache.key_codes, cache.key_scale, cache.key_zero,
+        cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
+        n, cache.key_codes.shape[2], n_tiles, H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
+        W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
+        X_SPLIT=keys.dtype != torch.bfloat16, F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8,
+        num_stages=num_stages)
+
+
 @triton.jit
 def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr):
     """quant.quantize down each column of y [BT, D] float32 (one group of BT tokens a channel), codes packed
     along the channels: (bytes uint8 [BT, D/4], scale codes uint8 [D], zero codes int8 [D])."""
     code, step, zero = _group_params(tl.min(y, axis=0), tl.max(y, axis=0), clip)
-    q = _round(y / step[None, :] - (zero / 4.0)[None, :])
+    q = _codes(y * (1.0 / step)[None, :] - (zero / 4.0)[None, :])
     return _pack(q, BT, D), code.to(tl.uint8), zero.to(tl.int8)
 
 

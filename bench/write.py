@@ -1,0 +1,161 @@
+"""Benchmark: the INT2 write path of a prefill at 100K tokens x 8 KV heads x d 128 (one layer), on the GPU.
+
+Every row moves the same bytes a side: the BF16 keys (or values) in, the INT2 codes and each group's scale and
+zero codes out; effective bandwidth = those bytes over the median time (do_bench), against the device's copy
+bandwidth (bytes read plus written). Rows:
+- write_int2: one side, the rotation split on every call (kvstore.write_int2's signature);
+- write_int2_prepared: the same kernel with the split made once, over a sweep of tile, waves and stages;
+- prefill K+V: the whole prefill of an empty store as OscarCache writes it (sink, ring and INT2 rows of both
+  sides): append_kv (before this bench), prefill_kv with keys per token and keys per channel (blocks of 64 and
+  128), and the torch reference (kvstore.append) that wrote keys-per-channel prefills before prefill_kv.
+Codes agree with kvstore's reference on a 4,096-token prefill (share of equal codes, scale and zero codes).
+For a bare GPU image:
+    PYTHONPATH=. python3 bench/write.py --out bench/results/write.md
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernel import copy_bandwidth, orthogonal  # noqa: E402
+
+from oscar_core import kvstore, quant  # noqa: E402
+from oscar_core.triton import write  # noqa: E402
+
+TOKENS, HEADS, D = 100_000, 8, 128
+
+
+def side_bytes(tokens: int, g: int) -> int:
+    """BF16 in, INT2 codes and one scale and one zero code a group out, one side."""
+    return tokens * HEADS * (2 * D + D // 4 + 2 * D // g)
+
+
+def layer(gen) -> kvstore.LayerRotation:
+    return kvstore.LayerRotation(orthogonal(HEADS, D, gen), orthogonal(HEADS, D, gen),
+                                 torch.full((HEADS,), 0.96, device="cuda"), torch.full((HEADS,), 0.92, device="cuda"),
+                                 torch.randn(HEADS, D, generator=gen, device="cuda"),
+                                 torch.randn(HEADS, D, generator=gen, device="cuda"))
+
+
+def agreement(a: kvstore.Int2KVCache, b: kvstore.Int2KVCache) -> float:
+    """Worst share of equal entries over both sides' codes, scale and zero codes."""
+    shares = []
+    for side in ("key", "value"):
+        shares.append((quant.unpack_int2(getattr(a, f"{side}_codes")) ==
+                       quant.unpack_int2(getattr(b, f"{side}_codes"))).float().mean().item())
+        for name in ("scale", "zero"):
+            shares.append((getattr(a, f"{side}_{name}") == getattr(b, f"{side}_{name}")).float().mean().item())
+    return min(shares)
+
+
+def prefill_arms(lay, axis: str, g: int):
+    """name -> fn(store, k, v) writing a prefill into an empty store."""
+    split = (write.prepare_rotation(lay.key_rotation, lay.key_mean),
+             write.prepare_rotation(lay.value_rotation, lay.value_mean))
+    arms = {"torch reference (kvstore.append)": lambda st, k, v: kvstore.append(st, k, v, lay)}
+    if axis == "token":
+        arms["append_kv (bt 64)"] = lambda st, k, v: write.append_kv(st, k, v, *split, lay.key_clip, lay.value_clip,
+                                                                     evict=False)
+    for bt in ((64, 128) if axis == "token" else (g,)):
+        for waves in (1, 2, 4):
+            for stages in (2, 3):
+                arms[f"prefill_kv bt {bt} waves {waves} stages {stages}"] = (
+                    lambda st, k, v, bt=bt, waves=waves, stages=stages: write.prefill_kv(
+                        st, k, v, *split, lay.key_clip, lay.value_clip, block_t=bt, waves=waves, num_stages=stages))
+    return arms
+
+
+def bench_prefill(gen, axis: str, g: int, bandwidth: float) -> list[dict]:
+    lay = layer(gen)
+    rows = []
+    small = torch.randn(2, 1, HEADS, 4096, D, generator=gen, device="cuda").bfloat16()
+    big = torch.randn(2, 1, HEADS, TOKENS, D, generator=gen, device="cuda").bfloat16()
+    nbytes = 2 * side_bytes(TOKENS, g)
+    ref = kvstore.empty_cache(1, HEADS, D, 4096, g, g, device="cuda", key_axis=axis)
+    kvstore.advance(ref, 4096)
+    kvstore.append(ref, small[0], small[1], lay)
+    for name, fn in prefill_arms(lay, axis, g).items():
+        st = kvstore.empty_cache(1, HEADS, D, 4096, g, g, device="cuda", key_axis=axis)
+        kvstore.advance(st, 4096)
+        fn(st, small[0], small[1])
+        same = agreement(st, ref)
+        st = kvstore.empty_cache(1, HEADS, D, TOKENS, g, g, device="cuda", key_axis=axis)
+        kvstore.advance(st, TOKENS)
+        ms = do_bench(lambda: fn(st, big[0], big[1]), warmup=3 if "torch" in name else 10,
+                      rep=20 if "torch" in name else 100, return_mode="median")
+        rows.append(dict(path=f"prefill K+V, keys per {axis}" + (f" (blocks of {g})" if axis == "channel" else ""),
+                         arm=name, ms=ms, gbps=nbytes / ms / 1e6, share=nbytes / (ms * 1e-3) / bandwidth, same=same))
+        print(json.dumps(rows[-1]), flush=True)
+        del st
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_side(gen, bandwidth: float) -> list[dict]:
+    lay = layer(gen)
+    x = torch.randn(TOKENS, HEADS, D, generator=gen, device="cuda").bfloat16()
+    ref = kvstore.write_int2(x[:4096], lay.key_rotation, lay.key_clip, 64, lay.key_mean)
+    split = write.prepare_rotation(lay.key_rotation, lay.key_mean)
+    arms = {"write_int2 (splits R each call)": lambda xx, **kw: write.write_int2(xx, lay.key_rotation, lay.key_clip,
+                                                                                  64, lay.key_mean)}
+    for bt in (64, 128):
+        for waves in (1, 2, 4):
+            for stages in (1, 2, 3, 4):
+                arms[f"write_int2_prepared bt {bt} waves {waves} stages {stages}"] = (
+                    lambda xx, bt=bt, waves=waves, stages=stages: write.write_int2_prepared(
+                        xx, split, lay.key_clip, 64, block_t=bt, waves=waves, num_stages=stages))
+    rows = []
+    for name, fn in arms.items():
+        same = min((a == b).float().mean().item() for a, b in zip(fn(x[:4096]), ref))
+        ms = do_bench(lambda: fn(x), warmup=10, rep=100, return_mode="median")
+        nbytes = side_bytes(TOKENS, 64)
+        rows.append(dict(path="one side, keys per token", arm=name, ms=ms, gbps=nbytes / ms / 1e6,
+                         share=nbytes / (ms * 1e-3) / bandwidth, same=same))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def render(rows: list[dict], bandwidth: float) -> str:
+    lines = ["# INT2 write path at 100K tokens x 8 KV heads x d 128 (bench/write.py)", "",
+             f"{torch.cuda.get_device_properties(0).name}; torch {torch.__version__}; "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; copy bandwidth "
+             f"{bandwidth / 1e12:.2f} TB/s (read + write). Effective bandwidth: BF16 in plus INT2 codes, scale and zero "
+             "codes out, over the median time. Equal: worst share of codes / scale / zero codes equal to kvstore's "
+             "reference on a 4,096-token prefill.", ""]
+    for path in dict.fromkeys(r["path"] for r in rows):
+        part = [r for r in rows if r["path"] == path]
+        best = min(part, key=lambda r: r["ms"])
+        lines += [f"## {path}", "", "| arm | ms | GB/s | share of copy bandwidth | equal |", "|---|---|---|---|---|"]
+        for r in part:
+            mark = " **best**" if r is best else ""
+            lines.append(f"| {r['arm']}{mark} | {r['ms']:.4f} | {r['gbps']:.0f} | {r['share']:.0%} | {r['same']:.5f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/write.md")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bandwidth = copy_bandwidth()
+    rows = bench_side(gen, bandwidth)
+    rows += bench_prefill(gen, "token", 64, bandwidth)
+    rows += bench_prefill(gen, "channel", 64, bandwidth)
+    rows += bench_prefill(gen, "channel", 128, bandwidth)
+    text = render(rows, bandwidth)
+    with open(args.out, "w") as f:
+        f.write(text + "\n")
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(dict(bandwidth=bandwidth, rows=rows), f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
