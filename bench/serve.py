@@ -14,9 +14,9 @@ Arms, every one in this run, at each (context, batch) point:
   int2-eager     OscarCache("oscar") inside oscar_attention, eager decode steps
   int2-graph     the same, each decode step one CUDA-graph replay (oscar_core.decode_graph)
 Long contexts are filled synthetically: random post-RoPE keys and values of `context` tokens written
-into each cache by its real write path (BF16: the cache's update; INT2: the Triton append kernel), then
+into each cache by its real write path (BF16: the cache's update; INT2: the Triton prefill kernel), then
 greedy decode steps run through the whole model (decode_graph.GreedyDecoder). Prefill through the model
-is timed separately at a size that fits, and the write kernels' bandwidth on 100K tokens x 8 heads x 128.
+is timed separately at a size that fits (the write kernels alone: bench/write.py).
 A torch.profiler trace of one eager decode step counts host-to-device copies, syncs and launches.
 
     python3 bench/serve.py --out bench/results/serve.md
@@ -34,10 +34,8 @@ from types import SimpleNamespace
 
 import torch
 
-from oscar_core import kvstore
 from oscar_core.cache import OscarCache, memory_plan
 from oscar_core.decode_graph import GreedyDecoder
-from oscar_core.triton import write
 
 GIB = 2 ** 30
 SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -108,7 +106,7 @@ def make_cache(arm: str, model, bundle, batch: int, context: int, steps: int):
     else:
         cache = OscarCache(bundle, "oscar", capacity=context + steps + 8)
         for i in range(layers):
-            cache.update(k, v, i)              # outside oscar_attention: written at once, Triton append
+            cache.update(k, v, i)              # outside oscar_attention: written at once, write.prefill_kv
     torch.cuda.synchronize()
     return cache
 
@@ -203,48 +201,6 @@ def time_prefill(model, bundle, arm: str, context: int, batch: int = 1) -> dict:
     return out
 
 
-def bench_write_kernels(bandwidth: float, tokens: int = 100_000, heads: int = 8, d: int = 128) -> dict:
-    """write_int2 on one side of 100K x 8 x 128, and append_kv of a 100K-token prefill (K and V) into a store."""
-    from triton.testing import do_bench
-
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    rot = torch.linalg.qr(torch.randn(heads, d, d, generator=gen, device="cuda"))[0].contiguous()
-    mean = torch.randn(heads, d, generator=gen, device="cuda")
-    clip = torch.full((heads,), 0.96, device="cuda")
-    x = torch.randn(tokens, heads, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-    ref = kvstore.write_int2(x[:4096], rot, clip, 64, mean)
-    got = write.write_int2(x[:4096], rot, clip, 64, mean)
-    same = min((a == b).float().mean().item() for a, b in zip(got, ref))
-    out = {}
-    per_token = heads * (d * 2 + d // 4 + 2 * d // 64)            # bf16 in, codes + scale + zero out
-    for block_t in (32, 64, 128):
-        for waves in (2, 4, 8):
-            ms = do_bench(lambda: write.write_int2(x, rot, clip, 64, mean, block_t=block_t, waves=waves),
-                          warmup=10, rep=50, return_mode="median")
-            out[f"write_int2 bt{block_t} w{waves}"] = dict(ms=ms, gbps=tokens * per_token / ms / 1e6)
-    k = x.view(tokens, heads, d).transpose(0, 1)[None]             # [1, 8, T, d] with token stride 8·d
-    split = write.prepare_rotation(rot, mean)
-    store = kvstore.empty_cache(1, heads, d, tokens, device="cuda")
-    store.lengths.fill_(tokens)
-    for block_t in (64, 128):
-        ms = do_bench(lambda: write.append_kv(store, k, k, split, split, clip, clip, evict=False, block_t=block_t),
-                      warmup=10, rep=50, return_mode="median")
-        out[f"append_kv prefill K+V bt{block_t}"] = dict(ms=ms, gbps=2 * tokens * per_token / ms / 1e6)
-    out["codes equal to reference (first 4096 tokens)"] = same
-    out["copy bandwidth GB/s"] = bandwidth / 1e9
-    print(json.dumps(out), flush=True)
-    return out
-
-
-def copy_bandwidth() -> float:
-    from triton.testing import do_bench
-
-    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a), warmup=5, rep=20, return_mode="median")
-    return 2 * a.numel() / (ms * 1e-3)
-
-
 def profile_step(model, bundle, arm: str, batch: int = 1, context: int = 4096) -> dict:
     """Counts over one eager decode step (after warm-up): host-to-device copies, syncs, launches."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -299,7 +255,7 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--key-axis", default="token", choices=("token", "channel"), help="the bundle's keys, every layer")
     p.add_argument("--quick", action="store_true",
-                   help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill, write or max batch)")
+                   help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill or max batch)")
     args = p.parse_args()
     args.layers = args.layers or SHAPES[args.model]["layers"]
 
@@ -318,7 +274,6 @@ def main():
     quick = args.quick
     res["profile"] = [] if quick else [profile_step(model, bundle, a) for a in ("bf16-dynamic", "int2-eager")]
     res["profile"] += [] if quick else [profile_step(model, bundle, a, 4, 102400) for a in ("bf16-flash", "int2-eager")]
-    res["write"] = None if quick else bench_write_kernels(copy_bandwidth())
     res["prefill"] = []
     for context in [] if quick else map(int, args.prefill.split(",")):
         for arm in ("bf16-dynamic", "int2-eager"):
@@ -369,8 +324,6 @@ def render(res: dict) -> str:
     lines += ["", "Prefill through the model (batch 1, second run):", "", "| context | arm | s | peak GiB |",
               "|---|---|---|---|"]
     lines += [f"| {r['context']} | {r['arm']} | {r['s']:.3f} | {r['peak_gib']:.1f} |" for r in res["prefill"]]
-    lines += ["", "Write kernels (100K tokens x 8 heads x 128):", "", "| kernel | ms | GB/s |", "|---|---|---|"]
-    lines += [f"| {k} | {v['ms']:.3f} | {v['gbps']:.0f} |" for k, v in (res["write"] or {}).items() if isinstance(v, dict)]
     lines += ["", "One eager decode step, torch.profiler counts:", "",
               "| arm | host-to-device copies | device-to-host copies | syncs | item() | launches | host ms |",
               "|---|---|---|---|---|---|---|"]

@@ -63,11 +63,10 @@ def prefill_arms(lay, axis: str, g: int):
         arms["append_kv (bt 64)"] = lambda st, k, v: write.append_kv(st, k, v, *split, lay.key_clip, lay.value_clip,
                                                                      evict=False)
     for bt in ((64, 128) if axis == "token" else (g,)):
-        for waves in (1, 2, 4):
-            for stages in (2, 3):
-                arms[f"prefill_kv bt {bt} waves {waves} stages {stages}"] = (
-                    lambda st, k, v, bt=bt, waves=waves, stages=stages: write.prefill_kv(
-                        st, k, v, *split, lay.key_clip, lay.value_clip, block_t=bt, waves=waves, num_stages=stages))
+        for waves in (2, 4, 8):
+            arms[f"prefill_kv bt {bt} waves {waves}"] = (
+                lambda st, k, v, bt=bt, waves=waves: write.prefill_kv(st, k, v, *split, lay.key_clip, lay.value_clip,
+                                                                      block_t=bt, waves=waves))
     return arms
 
 
@@ -105,8 +104,8 @@ def bench_side(gen, bandwidth: float) -> list[dict]:
     arms = {"write_int2 (splits R each call)": lambda xx, **kw: write.write_int2(xx, lay.key_rotation, lay.key_clip,
                                                                                   64, lay.key_mean)}
     for bt in (64, 128):
-        for waves in (1, 2, 4):
-            for stages in (1, 2, 3, 4):
+        for waves in (2, 4):
+            for stages in (1, 2, 3):
                 arms[f"write_int2_prepared bt {bt} waves {waves} stages {stages}"] = (
                     lambda xx, bt=bt, waves=waves, stages=stages: write.write_int2_prepared(
                         xx, split, lay.key_clip, 64, block_t=bt, waves=waves, num_stages=stages))

@@ -65,14 +65,16 @@ def dot(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def _rotate(x, r_hi, r_lo, acc, X_SPLIT: tl.constexpr, F32: tl.constexpr):
-    """acc + x·(R_hi + R_lo) in float32 from bf16 products, x float32 [BT, D] (bf16-exact unless X_SPLIT); acc
-    float32 [BT, D] (−μ·R broadcast, or zeros)."""
-    xh = x.to(tl.bfloat16)
-    y = dot(xh, r_hi, acc, F32)
-    y = dot(xh, r_lo, y, F32)
+    """acc + x·(R_hi + R_lo) in float32 from bf16 products, x [BT, D] as loaded: bf16, or (X_SPLIT) any float
+    split into bf16 x_hi + x_lo; acc float32 [BT, D] (−μ·R broadcast, or zeros)."""
     if X_SPLIT:
-        y = dot((x - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
-    return y
+        xf = x.to(tl.float32)
+        xh = xf.to(tl.bfloat16)
+        y = dot(xh, r_hi, acc, F32)
+        y = dot(xh, r_lo, y, F32)
+        return dot((xf - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
+    y = dot(x, r_hi, acc, F32)
+    return dot(x, r_lo, y, F32)
 
 
 @triton.jit
@@ -103,22 +105,29 @@ def _group_params(lo, hi, clip):
 
 
 @triton.jit
-def _codes(v):
-    """round(clamp(v, 0, 3)) as int32 0..3 (= clamp(round(v), 0, 3), ties to even): the clamped value plus
-    ROUND_MAGIC holds the rounded integer in its low mantissa bits, read without a float-to-int conversion."""
-    v = tl.minimum(tl.maximum(v, 0.0), 3.0) + ROUND_MAGIC
+def _codes(y, a, b, F32: tl.constexpr):
+    """round(clamp(y·a + b, 0, 3)) as int32 0..3 (= clamp(round(·), 0, 3), ties to even). The clamped value
+    plus ROUND_MAGIC holds the rounded integer in its low mantissa bits, read without a float-to-int
+    conversion. On the GPU the clamp is the saturation of one fma, u = sat(y·a/3 + b/3) in [0, 1], and
+    3u + ROUND_MAGIC one more (the /3 and ·3 move a value by a few ulps, as the reciprocal does)."""
+    if F32:
+        v = tl.minimum(tl.maximum(y * a + b, 0.0), 3.0) + ROUND_MAGIC
+    else:
+        u = tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=r,r,r,r", [y, a / 3.0, b / 3.0],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        v = u * 3.0 + ROUND_MAGIC
     return v.to(tl.int32, bitcast=True) & 3
 
 
 @triton.jit
-def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr):
     """quant.quantize + pack_int2 of y [BT, D] float32: (bytes uint8 [BT, D/4], scale codes uint8
     [BT, D/G], zero codes int8 [BT, D/G]). y/step is taken as y·(1/step), which can differ from the
     division in the last bit, so a value that close to a rounding boundary may take the other code."""
     NG: tl.constexpr = D // G
     yg = tl.reshape(y, [BT, NG, G])
     code, step, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip)
-    q = _codes(yg * (1.0 / step)[:, :, None] - (zero / 4.0)[:, :, None])
+    q = _codes(yg, (1.0 / step)[:, :, None], -(zero / 4.0)[:, :, None], F32)
     return _pack(tl.reshape(q, [BT, D]), BT, D), code.to(tl.uint8), zero.to(tl.int8)
 
 
@@ -132,9 +141,9 @@ def _pack(q, BT: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _store_int2(codes_ptr, scale_ptr, zero_ptr, base_c, base_m, y, clip, mask,
-                BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+                BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr):
     """Quantize y [BT, D] and store row i at codes_ptr + base_c[i] (+ byte), scale/zero + base_m[i] (+ group)."""
-    packed, code, zero = _quantize(y, clip, BT, D, G)
+    packed, code, zero = _quantize(y, clip, BT, D, G, F32)
     j = tl.arange(0, D // 4)
     g = tl.arange(0, D // G)
     tl.store(codes_ptr + base_c[:, None] + j[None, :], packed, mask=mask[:, None])
@@ -155,13 +164,16 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
     r_hi = tl.load(rhi_ptr + rot)
     r_lo = tl.load(rlo_ptr + rot)
     clip = tl.load(clip_ptr + h)
+    i = tl.arange(0, BLOCK_T)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
-        t = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        tmask = t < tokens
-        x = tl.load(x_ptr + t[:, None] * sx_t + h * sx_h + c[None, :], mask=tmask[:, None], other=0.0)
-        y = _rotate(x.to(tl.float32), r_hi, r_lo, _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN), X_SPLIT, F32)
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, t * sc_t + h * sc_h, t * ss_t + h * ss_h, y, clip, tmask,
-                    BLOCK_T, D, G)
+        # 64-bit offsets once a tile (scalars), 32-bit ones inside it.
+        t0 = tile * BLOCK_T
+        t64 = t0.to(tl.int64)
+        tmask = t0 + i < tokens
+        x = tl.load(x_ptr + (t64 * sx_t + h * sx_h) + (i[:, None] * sx_t + c[None, :]), mask=tmask[:, None], other=0.0)
+        y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN), X_SPLIT, F32)
+        _store_int2(codes_ptr + (t64 * sc_t + h * sc_h), scale_ptr + (t64 * ss_t + h * ss_h),
+                    zero_ptr + (t64 * ss_t + h * ss_h), i * sc_t, i * ss_t, y, clip, tmask, BLOCK_T, D, G, F32)
 
 
 @triton.jit
@@ -190,8 +202,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     x = tl.load(x_ptr + b.to(tl.int64)[:, None] * sx_b + h * sx_h + t.to(tl.int64)[:, None] * sx_t + c[None, :],
                 mask=valid[:, None], other=0.0)
     rot = h * D * D + c[:, None] * D + c[None, :]
-    y = _rotate(x.to(tl.float32), tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), _start(mr_ptr, h, BT, D, HAS_MEAN),
-                X_SPLIT, F32)
+    y = _rotate(x, tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), _start(mr_ptr, h, BT, D, HAS_MEAN), X_SPLIT, F32)
     clip = tl.load(clip_ptr + h)
     slot = (pos - S) % R
     ring = ring_ptr + (bh * R + slot)[:, None] * D + c[None, :]
@@ -200,7 +211,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
         evict = valid & (gone >= S) & (gone < length - n + first)
         kept = tl.load(ring, mask=evict[:, None], other=0.0).to(tl.float32)
         row = bh * T + gone - S
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, kept, clip, evict, BT, D, G)
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, kept, clip, evict, BT, D, G, F32)
         tl.debug_barrier()   # every read of a ring slot before any write to it
     in_sink = valid & (pos < S)
     in_ring = valid & (pos >= S) & (pos >= length - W)
@@ -210,7 +221,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     if DIRECT:
         direct = valid & (pos >= S) & (pos < length - W)
         row = bh * T + pos - S
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, y, clip, direct, BT, D, G)
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, y, clip, direct, BT, D, G, F32)
 
 
 @triton.jit
@@ -259,29 +270,32 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
     int2_end = S + tl.maximum(length - S - W, 0) // TB * TB        # positions before it are INT2 (or sink)
     bh = (b * H + h).to(tl.int64)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        pos = tl.where(tile < J0, tile * BT, S + (tile - J0) * BT) + i
+        p0 = tl.where(tile < J0, tile * BT, S + (tile - J0) * BT)     # the tile's first position
+        pos = p0 + i
         valid = (pos < length) & ((tile >= J0) | (pos < S))
-        t = (pos + first).to(tl.int64)
-        x = tl.load(x_ptr + b.to(tl.int64) * sx_b + h * sx_h + t[:, None] * sx_t + c[None, :], mask=valid[:, None],
-                    other=0.0)
-        y = _rotate(x.to(tl.float32), r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), X_SPLIT, F32)
-        in_int2 = valid & (pos >= S) & (pos < int2_end)
-        in_ring = valid & (pos >= int2_end)
-        yb = y.to(tl.bfloat16)
-        tl.store(sink_ptr + (bh * S + pos)[:, None] * D + c[None, :], yb, mask=(valid & (pos < S))[:, None])
-        tl.store(ring_ptr + (bh * R + (pos - S) % R)[:, None] * D + c[None, :], yb, mask=in_ring[:, None])
-        row = bh * T + pos - S
-        if COLUMNS:
-            # A tile of INT2 positions is one whole key block (BT = TB = G): quantized down its columns.
-            packed, code, zero = _quantize_columns(y, clip, BT, D)
-            tl.store(codes_ptr + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], packed,
-                     mask=in_int2[:, None])
-            meta = (bh * (T // BT) + (tile - J0)) * D + c
-            block = (tile >= J0) & (S + (tile - J0) * BT < int2_end)
-            tl.store(scale_ptr + meta, code, mask=block & (c < D))
-            tl.store(zero_ptr + meta, zero, mask=block & (c < D))
-        else:
-            _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, y, clip, in_int2, BT, D, G)
+        # 64-bit offsets once a tile (scalars), 32-bit ones inside it.
+        x = tl.load(x_ptr + (b.to(tl.int64) * sx_b + h * sx_h + (p0 + first).to(tl.int64) * sx_t)
+                    + (i[:, None] * sx_t + c[None, :]), mask=valid[:, None], other=0.0)
+        y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), X_SPLIT, F32)
+        if (tile < J0) | (p0 + BT > int2_end):          # sink or ring positions in the tile
+            yb = y.to(tl.bfloat16)
+            tl.store(sink_ptr + bh * S * D + (pos[:, None] * D + c[None, :]), yb, mask=(valid & (pos < S))[:, None])
+            tl.store(ring_ptr + bh * R * D + (((pos - S) % R)[:, None] * D + c[None, :]), yb,
+                     mask=(valid & (pos >= int2_end))[:, None])
+        if (tile >= J0) & (p0 < int2_end):              # INT2 positions in the tile
+            in_int2 = valid & (pos < int2_end)
+            row0 = bh * T + p0 - S
+            if COLUMNS:
+                # A tile of INT2 positions is one whole key block (BT = TB = G): quantized down its columns.
+                packed, code, zero = _quantize_columns(y, clip, BT, D, F32)
+                tl.store(codes_ptr + row0 * (D // 4) + (i[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]), packed,
+                         mask=in_int2[:, None])
+                meta = (bh * (T // BT) + (tile - J0)) * D
+                tl.store(scale_ptr + meta + c, code)
+                tl.store(zero_ptr + meta + c, zero)
+            else:
+                _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG, i * (D // 4),
+                            i * NG, y, clip, in_int2, BT, D, G, F32)
 
 
 @triton.jit
@@ -332,10 +346,11 @@ def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, grou
 
 
 def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: int = 64, out=None,
-                        block_t: int = 128, waves: int = 2, num_stages: int = 3):
+                        block_t: int = 128, waves: int = 2, num_stages: int = 1):
     """write_int2 with the rotation already split: split = prepare_rotation(rotation, mean). Tiles of block_t
-    tokens of one head a program, `waves` programs a multiprocessor, num_stages tiles of x in flight (H100,
-    bench/write.py: 128 tokens, 2 waves and 3 stages; a third of the time of 1 stage)."""
+    tokens of one head a program, `waves` programs a multiprocessor, num_stages tiles of x in flight. The
+    defaults were the fastest of bench/write.py's sweep: 8-warp programs of 128 tokens held to 128 registers
+    a thread, so that two share a multiprocessor and hide each other's loads (better than staging them)."""
     tokens, heads, d = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
@@ -352,7 +367,7 @@ def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: 
         x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
         zero.stride(0), zero.stride(1), D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mr is not None,
         X_SPLIT=x.dtype != torch.bfloat16, F32=not x.is_cuda, num_warps=4 if block_t <= 64 else 8,
-        num_stages=num_stages)
+        num_stages=num_stages, **({"maxnreg": 128} if x.is_cuda and block_t > 64 else {}))
     return codes, scale, zero
 
 
@@ -392,13 +407,15 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
 
 
 def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
-               value_clip: torch.Tensor, block_t: int = 128, waves: int = 2, num_stages: int = 3) -> None:
+               value_clip: torch.Tensor, block_t: int = 64, waves: int = 4) -> None:
     """Triton kvstore.append into an empty store (a prefill), keys per token or per channel: keys/values
     [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
     L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
     for K and V, tiles of block_t positions (keys per channel: one key block, G tokens) that each go whole to
     the sink, the ring or INT2 rows (a key block's columns quantized together), as kvstore.append would
-    place them. key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]."""
+    place them. key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]. One stage: the loop's
+    branches defeat triton's software pipeliner (3.6 fails to compile them with num_stages ≥ 2), and `waves`
+    programs a multiprocessor hide the loads instead (bench/write.py: 64 tokens, waves 4 fastest)."""
     bsz, heads, n, d = keys.shape
     s, tb = cache.sink_tokens, cache.token_block
     bt = tb if tb > 1 else block_t
@@ -412,16 +429,15 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
         n, cache.key_codes.shape[2], n_tiles, H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
-        X_SPLIT=keys.dtype != torch.bfloat16, F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8,
-        num_stages=num_stages)
+        X_SPLIT=keys.dtype != torch.bfloat16, F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8, num_stages=1)
 
 
 @triton.jit
-def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr):
+def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
     """quant.quantize down each column of y [BT, D] float32 (one group of BT tokens a channel), codes packed
     along the channels: (bytes uint8 [BT, D/4], scale codes uint8 [D], zero codes int8 [D])."""
     code, step, zero = _group_params(tl.min(y, axis=0), tl.max(y, axis=0), clip)
-    q = _codes(y * (1.0 / step)[None, :] - (zero / 4.0)[None, :])
+    q = _codes(y, (1.0 / step)[None, :], -(zero / 4.0)[None, :], F32)
     return _pack(q, BT, D), code.to(tl.uint8), zero.to(tl.int8)
 
 
@@ -429,7 +445,7 @@ def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr):
 def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
                   kclip_ptr, vclip_ptr, len_ptr, start_ptr, n, T,
                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
-                  W: tl.constexpr, R: tl.constexpr, HAS_START: tl.constexpr):
+                  W: tl.constexpr, R: tl.constexpr, HAS_START: tl.constexpr, F32: tl.constexpr):
     """Program (k, b·H + h, side): the k-th block of sequence b that this append of n tokens pushes out of
     the window (lengths already count them), from its G ring slots into INT2; nothing if there is none."""
     k = tl.program_id(0)
@@ -451,7 +467,7 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
         row = bh64 * T + blk * G + t
         if tl.program_id(2) == 0:
             y = tl.load(kring_ptr + ring).to(tl.float32)
-            packed, code, zero = _quantize_columns(y, tl.load(kclip_ptr + h), G, D)
+            packed, code, zero = _quantize_columns(y, tl.load(kclip_ptr + h), G, D, F32)
             tl.store(kcodes_ptr + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], packed)
             meta = (bh64 * (T // G) + blk) * D + c
             tl.store(kscale_ptr + meta, code)
@@ -459,7 +475,7 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
         else:
             y = tl.load(vring_ptr + ring).to(tl.float32)
             _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, row * (D // 4), row * (D // GV), y,
-                        tl.load(vclip_ptr + h), t < G, G, D, GV)
+                        tl.load(vclip_ptr + h), t < G, G, D, GV, F32)
 
 
 def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int,
@@ -476,4 +492,5 @@ def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int
         cache.value_codes, cache.value_scale, cache.value_zero, key_clip, value_clip, cache.lengths,
         cache.lengths if starts is None else starts, n, cache.key_codes.shape[2],
         H=heads, D=d, G=g, GV=cache.value_group_size, S=cache.sink_tokens, W=cache.recent_tokens,
-        R=cache.ring_slots, HAS_START=starts is not None, num_warps=4 if g * d <= 8192 else 8)
+        R=cache.ring_slots, HAS_START=starts is not None, F32=not cache.key_codes.is_cuda,
+        num_warps=4 if g * d <= 8192 else 8)
