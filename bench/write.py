@@ -64,9 +64,10 @@ def prefill_arms(lay, axis: str, g: int):
                                                                      evict=False)
     for bt in ((64, 128) if axis == "token" else (g,)):
         for waves in (2, 4, 8):
-            arms[f"prefill_kv bt {bt} waves {waves}"] = (
-                lambda st, k, v, bt=bt, waves=waves: write.prefill_kv(st, k, v, *split, lay.key_clip, lay.value_clip,
-                                                                      block_t=bt, waves=waves))
+            for stages in (1, 2):
+                arms[f"prefill_kv bt {bt} waves {waves} stages {stages}"] = (
+                    lambda st, k, v, bt=bt, waves=waves, stages=stages: write.prefill_kv(
+                        st, k, v, *split, lay.key_clip, lay.value_clip, block_t=bt, waves=waves, num_stages=stages))
     return arms
 
 

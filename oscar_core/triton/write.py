@@ -59,30 +59,36 @@ def _scale_code(step, ROUND_UP: tl.constexpr):
 def dot(a, b, acc, F32: tl.constexpr):
     """tl.dot; with F32 on float32 copies (exact for bf16 inputs), for the CPU interpreter's numpy matmul."""
     if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        c = tl.dot(a, b, acc)
+    return c
 
 
 @triton.jit
-def _rotate(x, r_hi, r_lo, acc, X_SPLIT: tl.constexpr, F32: tl.constexpr):
-    """acc + x·(R_hi + R_lo) in float32 from bf16 products, x [BT, D] as loaded: bf16, or (X_SPLIT) any float
+def _rotate(x, r_hi, r_lo, acc, F32: tl.constexpr):
+    """acc + x·(R_hi + R_lo) in float32 from bf16 products, x [BT, D] as loaded: bf16, or another float type
     split into bf16 x_hi + x_lo; acc float32 [BT, D] (−μ·R broadcast, or zeros)."""
-    if X_SPLIT:
+    if x.dtype != tl.bfloat16:
         xf = x.to(tl.float32)
         xh = xf.to(tl.bfloat16)
         y = dot(xh, r_hi, acc, F32)
         y = dot(xh, r_lo, y, F32)
-        return dot((xf - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
-    y = dot(x, r_hi, acc, F32)
-    return dot(x, r_lo, y, F32)
+        y = dot((xf - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
+    else:
+        y = dot(x, r_hi, acc, F32)
+        y = dot(x, r_lo, y, F32)
+    return y
 
 
 @triton.jit
 def _start(mr_ptr, h, BT: tl.constexpr, D: tl.constexpr, HAS_MEAN: tl.constexpr):
     """The rotation's accumulator before the products: −μ·R of head h broadcast over BT rows (zeros without a mean)."""
     if HAS_MEAN:
-        return tl.broadcast_to(-tl.load(mr_ptr + h * D + tl.arange(0, D))[None, :], [BT, D])
-    return tl.zeros([BT, D], tl.float32)
+        acc = tl.broadcast_to(-tl.load(mr_ptr + h * D + tl.arange(0, D))[None, :], [BT, D])
+    else:
+        acc = tl.zeros([BT, D], tl.float32)
+    return acc
 
 
 @triton.jit
@@ -155,7 +161,7 @@ def _store_int2(codes_ptr, scale_ptr, zero_ptr, base_c, base_m, y, clip, mask,
 def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_ptr, zero_ptr, tokens, n_tiles,
                   sx_t, sx_h, sc_t, sc_h, ss_t, ss_h, sz_t, sz_h,
                   D: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  X_SPLIT: tl.constexpr, F32: tl.constexpr):
+                  F32: tl.constexpr):
     """Program (p, h) quantizes tiles p, p + P, ... of BLOCK_T tokens of head h, R loaded once."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -171,7 +177,7 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
         t64 = t0.to(tl.int64)
         tmask = t0 + i < tokens
         x = tl.load(x_ptr + (t64 * sx_t + h * sx_h) + (i[:, None] * sx_t + c[None, :]), mask=tmask[:, None], other=0.0)
-        y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN), X_SPLIT, F32)
+        y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN), F32)
         _store_int2(codes_ptr + (t64 * sc_t + h * sc_h), scale_ptr + (t64 * ss_t + h * ss_h),
                     zero_ptr + (t64 * ss_t + h * ss_h), i * sc_t, i * ss_t, y, clip, tmask, BLOCK_T, D, G, F32)
 
@@ -182,7 +188,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
                  tile, h, rows, n, t0, piece, T,
                  H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  BT: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_START: tl.constexpr, EVICT: tl.constexpr,
-                 DIRECT: tl.constexpr, X_SPLIT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr):
+                 DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr):
     """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h (module docstring);
     R ring slots (W, or W + G for keys per channel)."""
     NG: tl.constexpr = D // G
@@ -202,7 +208,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     x = tl.load(x_ptr + b.to(tl.int64)[:, None] * sx_b + h * sx_h + t.to(tl.int64)[:, None] * sx_t + c[None, :],
                 mask=valid[:, None], other=0.0)
     rot = h * D * D + c[:, None] * D + c[None, :]
-    y = _rotate(x, tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), _start(mr_ptr, h, BT, D, HAS_MEAN), X_SPLIT, F32)
+    y = _rotate(x, tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), _start(mr_ptr, h, BT, D, HAS_MEAN), F32)
     clip = tl.load(clip_ptr + h)
     slot = (pos - S) % R
     ring = ring_ptr + (bh * R + slot)[:, None] * D + c[None, :]
@@ -232,7 +238,7 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                    len_ptr, start_ptr, rows, n, t0, piece, T, n_tiles,
                    H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                    W: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr, V_MEAN: tl.constexpr,
-                   HAS_START: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr, X_SPLIT: tl.constexpr,
+                   HAS_START: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr,
                    F32: tl.constexpr, R: tl.constexpr):
     """Grid (P, H_kv, 2): program (p, h, side) appends row tiles p, p + P, ... of one side."""
     pid = tl.program_id(0)
@@ -242,12 +248,12 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
             _append_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr,
                          ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, start_ptr,
                          tile, h, rows, n, t0, piece, T, H, D, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT,
-                         X_SPLIT, F32, R)
+                         F32, R)
         else:
             _append_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                          vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, start_ptr,
                          tile, h, rows, n, t0, piece, T, H, D, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT,
-                         X_SPLIT, F32, R)
+                         F32, R)
 
 
 @triton.jit
@@ -255,7 +261,7 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                   codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, n, T, n_tiles,
                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                   R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  X_SPLIT: tl.constexpr, F32: tl.constexpr):
+                  F32: tl.constexpr):
     """One side of sequence b, KV head h, tiles p, p + P, ... of BT positions (module docstring, prefill_kv)."""
     NG: tl.constexpr = D // G
     J0: tl.constexpr = (S + BT - 1) // BT
@@ -276,26 +282,25 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
         # 64-bit offsets once a tile (scalars), 32-bit ones inside it.
         x = tl.load(x_ptr + (b.to(tl.int64) * sx_b + h * sx_h + (p0 + first).to(tl.int64) * sx_t)
                     + (i[:, None] * sx_t + c[None, :]), mask=valid[:, None], other=0.0)
-        y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), X_SPLIT, F32)
-        if (tile < J0) | (p0 + BT > int2_end):          # sink or ring positions in the tile
-            yb = y.to(tl.bfloat16)
-            tl.store(sink_ptr + bh * S * D + (pos[:, None] * D + c[None, :]), yb, mask=(valid & (pos < S))[:, None])
-            tl.store(ring_ptr + bh * R * D + (((pos - S) % R)[:, None] * D + c[None, :]), yb,
-                     mask=(valid & (pos >= int2_end))[:, None])
-        if (tile >= J0) & (p0 < int2_end):              # INT2 positions in the tile
-            in_int2 = valid & (pos < int2_end)
-            row0 = bh * T + p0 - S
-            if COLUMNS:
-                # A tile of INT2 positions is one whole key block (BT = TB = G): quantized down its columns.
-                packed, code, zero = _quantize_columns(y, clip, BT, D, F32)
-                tl.store(codes_ptr + row0 * (D // 4) + (i[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]), packed,
-                         mask=in_int2[:, None])
-                meta = (bh * (T // BT) + (tile - J0)) * D
-                tl.store(scale_ptr + meta + c, code)
-                tl.store(zero_ptr + meta + c, zero)
-            else:
-                _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG, i * (D // 4),
-                            i * NG, y, clip, in_int2, BT, D, G, F32)
+        y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), F32)
+        yb = y.to(tl.bfloat16)
+        tl.store(sink_ptr + bh * S * D + (pos[:, None] * D + c[None, :]), yb, mask=(valid & (pos < S))[:, None])
+        tl.store(ring_ptr + bh * R * D + (((pos - S) % R)[:, None] * D + c[None, :]), yb,
+                 mask=(valid & (pos >= int2_end))[:, None])
+        in_int2 = valid & (pos >= S) & (pos < int2_end)
+        row0 = bh * T + p0 - S
+        if COLUMNS:
+            # A tile of INT2 positions is one whole key block (BT = TB = G): quantized down its columns.
+            packed, code, zero = _quantize_columns(y, clip, BT, D, F32)
+            tl.store(codes_ptr + row0 * (D // 4) + (i[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]), packed,
+                     mask=in_int2[:, None])
+            meta = (bh * (T // BT) + (tile - J0)) * D + c
+            block = (tile >= J0) & (p0 < int2_end)
+            tl.store(scale_ptr + meta, code, mask=block & (c < D))
+            tl.store(zero_ptr + meta, zero, mask=block & (c < D))
+        else:
+            _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG, i * (D // 4),
+                        i * NG, y, clip, in_int2, BT, D, G, F32)
 
 
 @triton.jit
@@ -306,18 +311,18 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                     len_ptr, n, T, n_tiles,
                     H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                     W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr,
-                    V_MEAN: tl.constexpr, X_SPLIT: tl.constexpr, F32: tl.constexpr):
+                    V_MEAN: tl.constexpr, F32: tl.constexpr):
     """Grid (P, B·H_kv, 2): program (p, b·H + h, side) writes tiles p, p + P, ... of one side of sequence b."""
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
     if tl.program_id(2) == 0:
         _prefill_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, ksink_ptr, kring_ptr,
                       kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, n, T, n_tiles, H, D, GK, S, W, R, TB, BT,
-                      TB > 1, K_MEAN, X_SPLIT, F32)
+                      TB > 1, K_MEAN, F32)
     else:
         _prefill_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr, vsink_ptr, vring_ptr,
                       vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, n, T, n_tiles, H, D, GV, S, W, R, TB, BT,
-                      False, V_MEAN, X_SPLIT, F32)
+                      False, V_MEAN, F32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -366,7 +371,7 @@ def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: 
         x, r_hi, r_lo, r_hi if mr is None else mr, clip.float().contiguous(), codes, scale, zero, tokens, n_tiles,
         x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
         zero.stride(0), zero.stride(1), D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mr is not None,
-        X_SPLIT=x.dtype != torch.bfloat16, F32=not x.is_cuda, num_warps=4 if block_t <= 64 else 8,
+        F32=not x.is_cuda, num_warps=4 if block_t <= 64 else 8,
         num_stages=num_stages, **({"maxnreg": 128} if x.is_cuda and block_t > 64 else {}))
     return codes, scale, zero
 
@@ -402,20 +407,21 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
             cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles,
             H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
             K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
-            DIRECT=n > w, X_SPLIT=keys.dtype != torch.bfloat16, F32=not keys.is_cuda, R=cache.ring_slots,
+            DIRECT=n > w, F32=not keys.is_cuda, R=cache.ring_slots,
             num_warps=4 if bt <= 64 else 8)
 
 
 def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
-               value_clip: torch.Tensor, block_t: int = 64, waves: int = 4) -> None:
+               value_clip: torch.Tensor, block_t: int = 64, waves: int = 4, num_stages: int = 1) -> None:
     """Triton kvstore.append into an empty store (a prefill), keys per token or per channel: keys/values
     [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
     L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
     for K and V, tiles of block_t positions (keys per channel: one key block, G tokens) that each go whole to
     the sink, the ring or INT2 rows (a key block's columns quantized together), as kvstore.append would
-    place them. key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]. One stage: the loop's
-    branches defeat triton's software pipeliner (3.6 fails to compile them with num_stages ≥ 2), and `waves`
-    programs a multiprocessor hide the loads instead (bench/write.py: 64 tokens, waves 4 fastest)."""
+    place them. key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]. Defaults: the fastest of
+    bench/write.py's sweep (programs of 64 tokens, 4 a multiprocessor, hiding each other's loads). Every tile
+    does the same work whatever its positions (masks, no branches: triton 3.6's pipeliner fails on branches in
+    this loop)."""
     bsz, heads, n, d = keys.shape
     s, tb = cache.sink_tokens, cache.token_block
     bt = tb if tb > 1 else block_t
@@ -429,7 +435,8 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
         n, cache.key_codes.shape[2], n_tiles, H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
-        X_SPLIT=keys.dtype != torch.bfloat16, F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8, num_stages=1)
+        F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8,
+        num_stages=num_stages)
 
 
 @triton.jit
