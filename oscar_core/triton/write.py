@@ -93,21 +93,23 @@ def _start(mr_ptr, h, BT: tl.constexpr, D: tl.constexpr, HAS_MEAN: tl.constexpr)
 
 @triton.jit
 def _group_params(lo, hi, clip):
-    """quant.quantize's parameters of groups with range [lo, hi]: (scale code, step, zero code), float32; the step
-    is widened until the zero code fits in int8."""
-    mid = (hi + lo) / 2.0
-    half = (hi - lo) / 2.0 * clip
-    code = _scale_code(2.0 * half / 3.0, False)
-    step = tl.exp2((code - 128.0) / 8.0)
-    zero = _round(4.0 * (mid / step - 1.5))
+    """quant.quantize's parameters of groups with range [lo, hi]: (scale code, 1/step, zero code), float32; the
+    step is widened until the zero code fits in int8. Divisions by a constant are products by its reciprocal
+    and 1/step is 2^(−e/8), not a division: each can move a value by an ulp, so a range that close to a
+    boundary of the scale or zero code may take the neighbouring code (quant.quantize divides)."""
+    mid = (hi + lo) * 0.5
+    half = (hi - lo) * 0.5 * clip
+    code = _scale_code(half * (2.0 / 3.0), False)
+    inv = tl.exp2((128.0 - code) * 0.125)
+    zero = _round(4.0 * (mid * inv - 1.5))
     overflow = (zero < -128.0) | (zero > 127.0)
-    lowest = tl.abs(mid - 1.5 * step)
-    wide = _scale_code(lowest * 4.0 / 127.0, True)
+    lowest = tl.abs(mid - 1.5 * tl.exp2((code - 128.0) * 0.125))
+    wide = _scale_code(lowest * (4.0 / 127.0), True)
     code = tl.where(overflow, tl.maximum(code, wide), code)
-    step = tl.exp2((code - 128.0) / 8.0)
-    zero = tl.where(overflow, _round(4.0 * (mid / step - 1.5)), zero)
+    inv = tl.exp2((128.0 - code) * 0.125)
+    zero = tl.where(overflow, _round(4.0 * (mid * inv - 1.5)), zero)
     zero = tl.minimum(tl.maximum(zero, -128.0), 127.0)
-    return code, step, zero
+    return code, inv, zero
 
 
 @triton.jit
@@ -132,8 +134,8 @@ def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: 
     division in the last bit, so a value that close to a rounding boundary may take the other code."""
     NG: tl.constexpr = D // G
     yg = tl.reshape(y, [BT, NG, G])
-    code, step, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip)
-    q = _codes(yg, (1.0 / step)[:, :, None], -(zero / 4.0)[:, :, None], F32)
+    code, inv, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip)
+    q = _codes(yg, inv[:, :, None], -(zero * 0.25)[:, :, None], F32)
     return _pack(tl.reshape(q, [BT, D]), BT, D), code.to(tl.uint8), zero.to(tl.int8)
 
 
@@ -258,11 +260,12 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
 
 @triton.jit
 def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, sink_ptr, ring_ptr,
-                  codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, n, T, n_tiles,
+                  codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, n, T,
                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                   R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr, HAS_MEAN: tl.constexpr,
                   F32: tl.constexpr):
-    """One side of sequence b, KV head h, tiles p, p + P, ... of BT positions (module docstring, prefill_kv)."""
+    """One side of sequence b, KV head h: program p takes INT2 tiles p, p + P, ... of BT positions, then BF16
+    tiles (sink, ring) p, p + P, ...: two loops without branches (prefill_kv)."""
     NG: tl.constexpr = D // G
     J0: tl.constexpr = (S + BT - 1) // BT
     c = tl.arange(0, D)
@@ -275,32 +278,39 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
     first = n - length                                              # leading pads: the store was empty
     int2_end = S + tl.maximum(length - S - W, 0) // TB * TB        # positions before it are INT2 (or sink)
     bh = (b * H + h).to(tl.int64)
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        p0 = tl.where(tile < J0, tile * BT, S + (tile - J0) * BT)     # the tile's first position
-        pos = p0 + i
-        valid = (pos < length) & ((tile >= J0) | (pos < S))
+    xb = x_ptr + (b.to(tl.int64) * sx_b + h * sx_h)
+    n_int2 = int2_end - S
+    # INT2 tiles: positions S + k·BT + i below int2_end (the last tile may end in the ring: masked).
+    for k in range(tl.program_id(0), (n_int2 + BT - 1) // BT, tl.num_programs(0)):
+        pos = S + k * BT + i
+        in_int2 = pos < int2_end
         # 64-bit offsets once a tile (scalars), 32-bit ones inside it.
-        x = tl.load(x_ptr + (b.to(tl.int64) * sx_b + h * sx_h + (p0 + first).to(tl.int64) * sx_t)
-                    + (i[:, None] * sx_t + c[None, :]), mask=valid[:, None], other=0.0)
+        x = tl.load(xb + (S + k * BT + first).to(tl.int64) * sx_t + (i[:, None] * sx_t + c[None, :]),
+                    mask=in_int2[:, None], other=0.0)
         y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), F32)
-        yb = y.to(tl.bfloat16)
-        tl.store(sink_ptr + bh * S * D + (pos[:, None] * D + c[None, :]), yb, mask=(valid & (pos < S))[:, None])
-        tl.store(ring_ptr + bh * R * D + (((pos - S) % R)[:, None] * D + c[None, :]), yb,
-                 mask=(valid & (pos >= int2_end))[:, None])
-        in_int2 = valid & (pos >= S) & (pos < int2_end)
-        row0 = bh * T + p0 - S
+        row0 = bh * T + k * BT
         if COLUMNS:
-            # A tile of INT2 positions is one whole key block (BT = TB = G): quantized down its columns.
+            # A whole key block (BT = TB = G): quantized down its columns.
             packed, code, zero = _quantize_columns(y, clip, BT, D, F32)
-            tl.store(codes_ptr + row0 * (D // 4) + (i[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]), packed,
-                     mask=in_int2[:, None])
-            meta = (bh * (T // BT) + (tile - J0)) * D + c
-            block = (tile >= J0) & (p0 < int2_end)
-            tl.store(scale_ptr + meta, code, mask=block & (c < D))
-            tl.store(zero_ptr + meta, zero, mask=block & (c < D))
+            tl.store(codes_ptr + row0 * (D // 4) + (i[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]), packed)
+            tl.store(scale_ptr + (bh * (T // BT) + k) * D + c, code)
+            tl.store(zero_ptr + (bh * (T // BT) + k) * D + c, zero)
         else:
             _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG, i * (D // 4),
                         i * NG, y, clip, in_int2, BT, D, G, F32)
+    # BF16 tiles: the sink's J0, then the ring's, from the tile that holds position int2_end on.
+    ring0 = n_int2 // BT
+    n_bf16 = J0 + (tl.maximum(length - S, 0) + BT - 1) // BT - ring0
+    for j in range(tl.program_id(0), n_bf16, tl.num_programs(0)):
+        p0 = tl.where(j < J0, j * BT, S + (ring0 + j - J0) * BT)      # the tile's first position
+        pos = p0 + i
+        valid = (pos < length) & ((j >= J0) | (pos < S))
+        x = tl.load(xb + (p0 + first).to(tl.int64) * sx_t + (i[:, None] * sx_t + c[None, :]), mask=valid[:, None],
+                    other=0.0)
+        yb = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), F32).to(tl.bfloat16)
+        tl.store(sink_ptr + bh * S * D + (pos[:, None] * D + c[None, :]), yb, mask=(valid & (pos < S))[:, None])
+        tl.store(ring_ptr + bh * R * D + (((pos - S) % R)[:, None] * D + c[None, :]), yb,
+                 mask=(valid & (pos >= int2_end))[:, None])
 
 
 @triton.jit
@@ -308,7 +318,7 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                     krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                     ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr,
                     vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
-                    len_ptr, n, T, n_tiles,
+                    len_ptr, n, T,
                     H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                     W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr,
                     V_MEAN: tl.constexpr, F32: tl.constexpr):
@@ -317,11 +327,11 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
     h = tl.program_id(1) % H
     if tl.program_id(2) == 0:
         _prefill_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, ksink_ptr, kring_ptr,
-                      kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, n, T, n_tiles, H, D, GK, S, W, R, TB, BT,
+                      kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, n, T, H, D, GK, S, W, R, TB, BT,
                       TB > 1, K_MEAN, F32)
     else:
         _prefill_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr, vsink_ptr, vring_ptr,
-                      vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, n, T, n_tiles, H, D, GV, S, W, R, TB, BT,
+                      vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, n, T, H, D, GV, S, W, R, TB, BT,
                       False, V_MEAN, F32)
 
 
@@ -416,12 +426,12 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     """Triton kvstore.append into an empty store (a prefill), keys per token or per channel: keys/values
     [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
     L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
-    for K and V, tiles of block_t positions (keys per channel: one key block, G tokens) that each go whole to
-    the sink, the ring or INT2 rows (a key block's columns quantized together), as kvstore.append would
-    place them. key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]. Defaults: the fastest of
-    bench/write.py's sweep (programs of 64 tokens, 4 a multiprocessor, hiding each other's loads). Every tile
-    does the same work whatever its positions (masks, no branches: triton 3.6's pipeliner fails on branches in
-    this loop)."""
+    for K and V, tiles of block_t positions (keys per channel: one key block, G tokens), placed as
+    kvstore.append would place them: INT2 tiles quantized (a key block's columns together), then the sink's
+    and the ring's tiles in BF16, each in a loop of its own whose bounds come from the lengths on the device
+    (branches inside one loop made triton 3.6's pipeliner fail). key_rot / value_rot: prepare_rotation's
+    triples; clips float32 [H_kv]. Defaults: the fastest of bench/write.py's sweep (programs of 64 tokens,
+    4 a multiprocessor, hiding each other's loads)."""
     bsz, heads, n, d = keys.shape
     s, tb = cache.sink_tokens, cache.token_block
     bt = tb if tb > 1 else block_t
@@ -433,7 +443,7 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
         values.stride(2), khi, klo, khi if kmr is None else kmr, key_clip, vhi, vlo, vhi if vmr is None else vmr,
         value_clip, cache.key_sink, cache.key_recent, cache.key_codes, cache.key_scale, cache.key_zero,
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
-        n, cache.key_codes.shape[2], n_tiles, H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
+        n, cache.key_codes.shape[2], H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
         F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8,
         num_stages=num_stages)
@@ -443,8 +453,8 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
 def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
     """quant.quantize down each column of y [BT, D] float32 (one group of BT tokens a channel), codes packed
     along the channels: (bytes uint8 [BT, D/4], scale codes uint8 [D], zero codes int8 [D])."""
-    code, step, zero = _group_params(tl.min(y, axis=0), tl.max(y, axis=0), clip)
-    q = _codes(y, (1.0 / step)[None, :], -(zero / 4.0)[None, :], F32)
+    code, inv, zero = _group_params(tl.min(y, axis=0), tl.max(y, axis=0), clip)
+    q = _codes(y, inv[None, :], -(zero * 0.25)[None, :], F32)
     return _pack(q, BT, D), code.to(tl.uint8), zero.to(tl.int8)
 
 
