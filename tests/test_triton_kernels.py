@@ -138,6 +138,10 @@ def test_eager_calls_replay_a_graph_kept_on_the_store():
     assert len(cache.graphs) == 2               # the bf16 output is a graph of its own
     call(q, 3000)
     assert len(cache.graphs) == 3
+    for max_length in (5000, 9000, 17000):
+        call(q, max_length)
+    assert len(cache.graphs) == decode.GRAPHS_PER_STORE
+    assert torch.equal(call(q, 17000), call(q, 32768, graph=False))
 
 
 def relative_errors(out, ref):

@@ -791,6 +791,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     return out
 
 
+GRAPHS_PER_STORE = 4     # each holds its own work buffers (a private memory pool)
 _STORE_FIELDS = ("key_sink", "value_sink", "key_recent", "value_recent", "key_codes", "key_scale", "key_zero",
                  "value_codes", "value_scale", "value_zero", "lengths")
 
@@ -801,7 +802,8 @@ def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, 
     three launches of 20-odd arguments (bench/results/eager_small.md). The graph is captured after the first
     direct call with the same arguments and kept in cache.graphs, keyed by everything it reads by address (the
     store's tensors, the rotations, the mean) and every launch setting, so it never outlives the tensors it
-    reads and a call that matches its key reads exactly the call's tensors. Calls on one stream at a time."""
+    reads and a call that matches its key reads exactly the call's tensors; the GRAPHS_PER_STORE latest are
+    kept. Calls on one stream at a time."""
     mean_ptr = None if value_mean is None else value_mean.data_ptr()
     key = (tuple(q.shape), q.dtype, q.device, None if out is None else out.dtype, key_rotation.data_ptr(),
            value_rotation.data_ptr(), mean_ptr, scaling, tuple(options.values()),
@@ -810,6 +812,8 @@ def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, 
     if hit is None:
         result = decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False,
                                   **options)
+        while len(cache.graphs) >= GRAPHS_PER_STORE:    # the oldest goes (a context that grew past its bucket)
+            cache.graphs.pop(next(iter(cache.graphs)))
         cache.graphs[key] = _capture(q, cache, key_rotation, value_rotation, value_mean, scaling,
                                      q.dtype if out is None else out.dtype, options)
         return result
