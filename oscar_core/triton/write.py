@@ -1,5 +1,6 @@
-"""Triton write kernels: rotate, centre, clip, quantize to INT2 and pack (kvstore.write_int2), and the
-append of new tokens into a kvstore.Int2KVCache in place (kvstore.append), K and V in one launch.
+"""Triton write kernels: rotate, centre, clip, quantize to INT2 and pack (kvstore.write_int2), the prefill
+of an empty kvstore.Int2KVCache and the append of new tokens into one in place (kvstore.append), K and V in one
+launch.
 
 Rotation. y = (x − μ)·R is computed as x·R_hi + x·R_lo − μ·R on the tensor cores, where R_hi = bf16(R)
 and R_lo = bf16(R − R_hi) (prepare_rotation, once per layer): a bf16 x times a bf16 factor is exact in
@@ -7,7 +8,12 @@ the float32 accumulator, and R_hi + R_lo carries 16 of R's 24 bits, so y matches
 to about 2^-17 relative (a float32 x is split the same way, x_hi·R_hi + x_hi·R_lo + x_lo·R_hi).
 Codes therefore equal the reference's except where a value lies that close to a rounding boundary.
 Quantization: per group of G channels the arithmetic of quant.quantize (log2 scale code, quarter-step
-zero code, the widening of far-off-centre groups); channel 4j + i goes to bits 2i of byte j.
+zero code, the widening of far-off-centre groups), with products by reciprocals for its divisions (within an
+ulp: codes agree on 99.997% of entries, bench/results/write.md); channel 4j + i goes to bits 2i of byte j.
+
+Prefill (prefill_kv), an empty store: program p of (sequence, KV head, side) quantizes INT2 tiles p, p + P, ...
+of positions S + kBT .. (keys per channel: one key block a tile, quantized down its columns), then writes
+its sink and ring tiles in BF16.
 
 Append (append_kv). Row r of the launch is token t = r mod n of sequence b = r div n; with L_b the
 length after the append (the caller advanced it, kvstore.advance) and s_b the sequence's leading pads,
