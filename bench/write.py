@@ -23,7 +23,8 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernel import copy_bandwidth, orthogonal  # noqa: E402
+from kernel import copy_bandwidth  # noqa: E402
+from shapes import layer_of  # noqa: E402
 
 from oscar_core import kvstore, quant  # noqa: E402
 from oscar_core.triton import write  # noqa: E402
@@ -34,13 +35,6 @@ TOKENS, HEADS, D = 100_000, 8, 128
 def side_bytes(tokens: int, g: int) -> int:
     """BF16 in, INT2 codes and one scale and one zero code a group out, one side."""
     return tokens * HEADS * (2 * D + D // 4 + 2 * D // g)
-
-
-def layer(gen) -> kvstore.LayerRotation:
-    return kvstore.LayerRotation(orthogonal(HEADS, D, gen), orthogonal(HEADS, D, gen),
-                                 torch.full((HEADS,), 0.96, device="cuda"), torch.full((HEADS,), 0.92, device="cuda"),
-                                 torch.randn(HEADS, D, generator=gen, device="cuda"),
-                                 torch.randn(HEADS, D, generator=gen, device="cuda"))
 
 
 def agreement(a: kvstore.Int2KVCache, b: kvstore.Int2KVCache) -> float:
@@ -72,7 +66,7 @@ def prefill_arms(lay, axis: str, g: int):
 
 
 def bench_prefill(gen, axis: str, g: int, bandwidth: float) -> list[dict]:
-    lay = layer(gen)
+    lay = layer_of(HEADS, D, gen)
     rows = []
     small = torch.randn(2, 1, HEADS, 4096, D, generator=gen, device="cuda").bfloat16()
     big = torch.randn(2, 1, HEADS, TOKENS, D, generator=gen, device="cuda").bfloat16()
@@ -98,7 +92,7 @@ def bench_prefill(gen, axis: str, g: int, bandwidth: float) -> list[dict]:
 
 
 def bench_side(gen, bandwidth: float) -> list[dict]:
-    lay = layer(gen)
+    lay = layer_of(HEADS, D, gen)
     x = torch.randn(TOKENS, HEADS, D, generator=gen, device="cuda").bfloat16()
     ref = kvstore.write_int2(x[:4096], lay.key_rotation, lay.key_clip, 64, lay.key_mean)
     split = write.prepare_rotation(lay.key_rotation, lay.key_mean)

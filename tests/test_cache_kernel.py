@@ -193,17 +193,23 @@ def orthogonal(heads, d, gen):
     return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, dtype=torch.float64))[0].float()
 
 
+def two_head_layer(gen, heads, d):
+    """A layer of two KV heads with means (the reference's, on the CPU), its tensors on DEVICE, and the Triton
+    writes' split key and value rotations."""
+    layer = kvstore.LayerRotation(orthogonal(heads, d, gen), orthogonal(heads, d, gen), torch.tensor([0.96, 0.9]),
+                                  torch.tensor([0.92, 1.0]), torch.randn(heads, d, generator=gen),
+                                  torch.randn(heads, d, generator=gen))
+    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()}
+    return (layer, on, write.prepare_rotation(on["key_rotation"], on["key_mean"]),
+            write.prepare_rotation(on["value_rotation"], on["value_mean"]))
+
+
 def test_append_kernel_matches_reference():
     """triton.write.append_kv against kvstore.append: a left-padded prefill, decode steps that push tokens
     out of the ring, a chunk longer than the ring and a short chunk, on one store."""
     gen = torch.Generator().manual_seed(8)
     bsz, heads, d, s, w = 3, 2, 64, 4, 8
-    layer = kvstore.LayerRotation(orthogonal(heads, d, gen), orthogonal(heads, d, gen), torch.tensor([0.96, 0.9]),
-                                  torch.tensor([0.92, 1.0]), torch.randn(heads, d, generator=gen),
-                                  torch.randn(heads, d, generator=gen))
-    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()}
-    kr = write.prepare_rotation(on["key_rotation"], on["key_mean"])
-    vr = write.prepare_rotation(on["value_rotation"], on["value_mean"])
+    layer, on, kr, vr = two_head_layer(gen, heads, d)
     ref = kvstore.empty_cache(bsz, heads, d, 80, sink_tokens=s, recent_tokens=w)
     got = kvstore.empty_cache(bsz, heads, d, 80, sink_tokens=s, recent_tokens=w, device=DEVICE)
 
@@ -260,12 +266,7 @@ def test_prefill_kernel_matches_reference(axis, n, starts, dtype):
     per token and per channel (blocks of 16), prefills shorter than the window and with whole INT2 blocks."""
     gen = torch.Generator().manual_seed(n)
     bsz, heads, d, s, w, g, gv = 3, 2, 64, 4, 8, 16, 32
-    layer = kvstore.LayerRotation(orthogonal(heads, d, gen), orthogonal(heads, d, gen), torch.tensor([0.96, 0.9]),
-                                  torch.tensor([0.92, 1.0]), torch.randn(heads, d, generator=gen),
-                                  torch.randn(heads, d, generator=gen))
-    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()}
-    kr = write.prepare_rotation(on["key_rotation"], on["key_mean"])
-    vr = write.prepare_rotation(on["value_rotation"], on["value_mean"])
+    layer, on, kr, vr = two_head_layer(gen, heads, d)
     ref = kvstore.empty_cache(bsz, heads, d, 140, g, gv, s, w, key_axis=axis)
     got = kvstore.empty_cache(bsz, heads, d, 140, g, gv, s, w, device=DEVICE, key_axis=axis)
     k = (torch.randn(bsz, heads, n, d, generator=gen) * torch.linspace(0.3, 3, d)).to(dtype)
@@ -304,12 +305,7 @@ def test_channel_key_write_kernels_match_reference():
     tokens with left pads and decode steps across several block boundaries."""
     gen = torch.Generator().manual_seed(10)
     bsz, heads, d, s, w, g, gv = 3, 2, 64, 4, 8, 16, 32
-    layer = kvstore.LayerRotation(orthogonal(heads, d, gen), orthogonal(heads, d, gen), torch.tensor([0.96, 0.9]),
-                                  torch.tensor([0.92, 1.0]), torch.randn(heads, d, generator=gen),
-                                  torch.randn(heads, d, generator=gen))
-    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(layer).items()}
-    kr = write.prepare_rotation(on["key_rotation"], on["key_mean"])
-    vr = write.prepare_rotation(on["value_rotation"], on["value_mean"])
+    layer, on, kr, vr = two_head_layer(gen, heads, d)
     ref = kvstore.empty_cache(bsz, heads, d, 90, g, gv, s, w, key_axis="channel")
     got = kvstore.empty_cache(bsz, heads, d, 90, g, gv, s, w, device=DEVICE, key_axis="channel")
 
