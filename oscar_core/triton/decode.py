@@ -679,17 +679,23 @@ def _capability(device: torch.device) -> tuple:
 _GLUON_SLOTS: dict = {}
 
 
+def _gluon_options() -> dict:
+    """The Gluon programs' compile options: one warp, registers held to decode_gluon.MAXNREG if set."""
+    cap = _gluon().MAXNREG
+    return dict(num_warps=1) if cap is None else dict(num_warps=1, maxnreg=cap)
+
+
 def _gluon_programs_per_sm(cache: Int2KVCache, constexprs: dict, device: torch.device) -> int:
     """One-warp Gluon programs a multiprocessor holds, from the compiled kernel (compiled once per setting,
     without launching): 65,536 registers and its shared memory, less the 1 KiB the driver keeps a program,
     shared among them. Triton 3.6 compiles the loop to 128 registers a thread (16 programs), later ones
     to more; the grid is sized for whichever runs."""
-    key = (device, tuple(sorted(constexprs.items())))
+    key = (device, tuple(sorted(constexprs.items())), tuple(sorted(_gluon_options().items())))
     if key not in _GLUON_SLOTS:
         qt = torch.empty(1, dtype=torch.bfloat16, device=device)
         f32 = torch.empty(1, dtype=torch.float32, device=device)
         args = _gluon_args(qt, cache, f32, f32, f32, 1.0, 2, 512, 2)
-        compiled = _gluon()._int2_split_kernel.warmup(*args, grid=(1, 1), num_warps=1, **constexprs)
+        compiled = _gluon()._int2_split_kernel.warmup(*args, grid=(1, 1), **_gluon_options(), **constexprs)
         compiled._init_handles()
         regs = -(-compiled.n_regs // 8) * 8
         smem = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
@@ -935,7 +941,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
                           F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1, num_warps=num_warps,
                           num_stages=num_stages),
-        gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads), gluon_consts=dict(num_warps=1, **consts),
+        gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads), gluon_consts=dict(**_gluon_options(), **consts),
         reduce_grid=(bsz * kv_heads, d // block_c),
         reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),
                                                                            max(8, _pow2(ns))),

@@ -56,6 +56,8 @@ _UNPACK = gl.constexpr(_UNPACK_TEXT)
 # tile n, so the loads' latency hides behind the products without holding registers; 0 loads each tile
 # straight into registers when it is needed. Read by decode.decode_attention at each launch.
 STAGES = 0
+# Registers a thread the programs are compiled to at most (None: as ptxas picks). Read at each launch plan.
+MAXNREG = None
 
 
 @gluon.jit
@@ -155,6 +157,15 @@ def _rowsum(x):
 
 
 @gluon.jit
+def _heads(s, R4: gl.constexpr):
+    """Score columns [tokens, NC] -> [tokens, R4]: the sum of a head's columns (in-thread)."""
+    if s.shape[1] == R4:
+        return s
+    else:
+        return gl.sum(gl.reshape(s, [s.shape[0], R4, s.shape[1] // R4]), axis=2)
+
+
+@gluon.jit
 def _rho_scale(kappa):
     """4^-ρ(i) for κ = 8i + a, ρ(i) = i mod 3 over (0..2, 3..5, 6..7)."""
     i = (kappa % 64) // 8
@@ -162,15 +173,68 @@ def _rho_scale(kappa):
     return gl.exp2(-2.0 * rho.to(gl.float32))
 
 
+_BYTES_TEXT = """{
+.reg .b32 w;
+xor.b32 w, $4, XOR;
+prmt.b32 $0, w, 0x4B000000, 0x7650;
+prmt.b32 $1, w, 0x4B000000, 0x7651;
+prmt.b32 $2, w, 0x4B000000, 0x7652;
+prmt.b32 $3, w, 0x4B000000, 0x7653;
+}"""
+_U8_FLOATS = gl.constexpr(_BYTES_TEXT.replace("XOR", "0"))
+_I8_FLOATS = gl.constexpr(_BYTES_TEXT.replace("XOR", "0x80808080"))
+
+
 @gluon.jit
-def _channel_query(q, rho, ksc, kz, ch, log2_scale):
+def _byte_floats(w, SIGNED: gl.constexpr):
+    """int32 words [..., n] -> float32 [..., 4n]: byte k of word j at 4j + k, as 2^23 + b, b the byte
+    unsigned, or signed plus 128: one prmt a byte moves it into the mantissa of 2^23."""
+    if SIGNED:
+        f0, f1, f2, f3 = gl.inline_asm_elementwise(_I8_FLOATS, "=r,=r,=r,=r,r", [w], dtype=(gl.float32,) * 4,
+                                                   is_pure=True, pack=1)
+    else:
+        f0, f1, f2, f3 = gl.inline_asm_elementwise(_U8_FLOATS, "=r,=r,=r,=r,r", [w], dtype=(gl.float32,) * 4,
+                                                   is_pure=True, pack=1)
+    x = gl.permute(gl.join(gl.join(f0, f1), gl.join(f2, f3)), [0, 1, 3, 2])
+    return gl.reshape(x, [w.shape[0], 4 * w.shape[1]])
+
+
+@gluon.jit
+def _load_block(ptr, D: gl.constexpr):
+    """A key block's D scale or zero code bytes as int32 words [4, D/16]: lane t (of 4·g + t) loads row t,
+    D/4 consecutive bytes, in one vector load (every g alike)."""
+    CL: gl.constexpr = gl.BlockedLayout([1, D // 16], [4, 8], [1, 1], [0, 1])
+    t = gl.arange(0, 4, layout=gl.SliceLayout(1, CL))
+    c = gl.arange(0, D // 16, layout=gl.SliceLayout(0, CL))
+    return gl.load(ptr.to(gl.pointer_type(gl.int32)) + (D // 16) * t[:, None] + c[None, :])
+
+
+@gluon.jit
+def _block_codes(w, QL: gl.constexpr, D: gl.constexpr, SIGNED: gl.constexpr):
+    """_load_block's words as floats 2^23 + b (_byte_floats) in the query operands' κ order (layout QL, the
+    operand's rows): product o reads channel (D/4)·t + 16·o + 8e + i at κ = 16s + 8h + 2t + e (i = 2s + h),
+    which lane t holds in its registers. (product 0, product 1); at head_dim 64 one product, returned twice."""
+    x = _byte_floats(w, SIGNED)
+    if D == 128:
+        # [t, (o, e, s, h)] -> [(s, h, t, e), o]
+        x0, x1 = gl.split(gl.reshape(gl.permute(gl.reshape(x, [4, 2, 2, 4, 2]), [3, 4, 0, 2, 1]), [64, 2]))
+        return gl.convert_layout(x0, QL, assert_trivial=True), gl.convert_layout(x1, QL, assert_trivial=True)
+    else:
+        # [t, (e, s, h)] -> [(s, h, t, e)]
+        x0 = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 4, 2]), [2, 3, 0, 1]), [64])
+        x0 = gl.convert_layout(x0, QL, assert_trivial=True)
+        return x0, x0
+
+
+@gluon.jit
+def _channel_query(q, rho, sc, z, log2_scale):
     """Keys per channel: one product's query operand for a key block, q̂_κ = bf16(q_κ·step_c) from the
     loop's operand q_κ = q̃_c·4^-ρ (exact in bf16) and the block's step_c (score scale folded in), and its
     share of the score offset per column, Σ_κ q̂_κ·(4^ρ·z_c/4 − 128): the zero term, less the 128 the
-    unpack leaves in every code."""
-    st = gl.exp2(gl.load(ksc + ch).to(gl.float32) * 0.125 + (log2_scale - 16.0))[:, None]
+    unpack leaves in every code. sc, z: the block's scale and zero code bytes in κ order (_block_codes)."""
+    st = gl.exp2((sc - 8388608.0) * 0.125 + (log2_scale - 16.0))[:, None]
     q = (q.to(gl.float32) * st).to(gl.bfloat16)
-    z = gl.load(kz + ch).to(gl.int8, bitcast=True).to(gl.float32)[:, None] * 0.25 / rho - 128.0
+    z = (z - 8388736.0)[:, None] * 0.25 / rho - 128.0
     return q, gl.sum(q.to(gl.float32) * z, axis=0)
 
 
@@ -189,7 +253,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     the block's step and zero folded into the query operands each tile (_channel_query). T must be a
     multiple of BLOCK_N and of TB. D: 64 or 128; the ring (STAGES > 0) only at D 128, TB 1, NGK = NGV = 2
     (decode.gluon_constexprs keeps to these)."""
-    NC: gl.constexpr = 2 * R4                   # score columns (g, r), g the key group
+    # Score columns: keys per token (r, g), g the key group; keys per channel one a head, padded to the mma's
+    # n = 8 (no group scales to keep apart).
+    NC: gl.constexpr = 8 if TB > 1 else 2 * R4
+    CW: gl.constexpr = NC // R4                 # columns a head
     NP: gl.constexpr = 8 if R4 < 8 else R4      # value product columns (heads, padded to the mma's n = 8)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -220,13 +287,16 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     # c_o(κ) = 8·(2·(2t + o) + e) + i, in group t div 2.
     qk = gl.arange(0, 64, layout=gl.SliceLayout(1, b_op))
     qc = gl.arange(0, NC, layout=gl.SliceLayout(0, b_op))
-    qrow = (b * HKV + bh % HKV) * HG + r0 + qc // 2
-    qmask = (r0 + qc // 2 < HG)[None, :]
+    qrow = (b * HKV + bh % HKV) * HG + r0 + qc // CW
+    qmask = (r0 + qc // CW < HG)[None, :]
     # At head_dim 64 one product (word t of a row: c(κ) = 8·(2t + e) + i, group 0) and the columns of
     # group 1 stay zero.
     ch0 = (D // 4) * ((qk % 8) // 2) + 8 * (qk % 2) + qk // 8
     qoff = qrow[None, :] * D + ch0[:, None]
-    qsel = qmask & ((ch0 // 64)[:, None] == (qc % 2)[None, :])
+    if TB > 1:
+        qsel = qmask & (qc % CW == 0)[None, :] & (ch0 >= 0)[:, None]
+    else:
+        qsel = qmask & ((ch0 // 64)[:, None] == (qc % 2)[None, :])
     rho = _rho_scale(qk)[:, None]
     qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
     if D == 128:
@@ -242,7 +312,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     s_init = gl.zeros([BLOCK_N, NC], gl.float32, mma) + q_off[None, :]
 
     # Scores [tokens, (r, g)] in the mma layout; summed over g, [tokens, r] in XL (in-thread).
-    XL: gl.constexpr = gl.sum(gl.reshape(s_init, [BLOCK_N, R4, 2]), axis=2).type.layout
+    XL: gl.constexpr = _heads(s_init, R4).type.layout
     HL: gl.constexpr = gl.SliceLayout(0, XL)
     xrow = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, XL))
     grp1 = (gl.arange(0, NC, layout=gl.SliceLayout(0, mma)) % 2 == 1)[None, :]
@@ -289,6 +359,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     o_zero = gl.zeros([64, NP], gl.float32, mma)
     o0 = o_zero
     o1 = o_zero
+    if TB > 1:
+        sc_next = _load_block(ksc + (start // TB) * D, D)
+        z_next = _load_block(kz + (start // TB) * D, D)
     if STAGES > 0:
         # The ring, rows in tile-row order: keys [m, word] (token σ(m)); values [32·(2e + B) + u, a] = half
         # 8B + a of tile row 2u + e; metadata [8·array + g, j] = byte j of tokens 8g .. 8g + 7. Every read
@@ -342,16 +415,21 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             a1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k1, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
                                               [BLOCK_N, 64]), a_op, assert_trivial=True)
         if TB > 1:
-            blk = (t0 // TB) * D
-            qc0, off = _channel_query(q0, rho, ksc + blk, kz + blk, ch0, log2_scale)
+            sc0, sc1 = _block_codes(sc_next, gl.SliceLayout(1, b_op), D, False)
+            z0, z1 = _block_codes(z_next, gl.SliceLayout(1, b_op), D, True)
+            # The next tile's block codes, loaded a tile ahead (the last tile reloads a block in the store).
+            blk = (gl.minimum(t0 + BLOCK_N, T - BLOCK_N) // TB) * D
+            sc_next = _load_block(ksc + blk, D)
+            z_next = _load_block(kz + blk, D)
+            qc0, off = _channel_query(q0, rho, sc0, z0, log2_scale)
             if D == 128:
-                qc1, off1 = _channel_query(q1, rho, ksc + blk, kz + blk, ch0 + 16, log2_scale)
+                qc1, off1 = _channel_query(q1, rho, sc1, z1, log2_scale)
                 off += off1
             s = gl.zeros([BLOCK_N, NC], gl.float32, mma) + gl.convert_layout(off, gl.SliceLayout(0, mma))[None, :]
             s = mma_v2(a0, qc0, s)
             if D == 128:
                 s = mma_v2(a1, qc1, s)
-            x = gl.sum(gl.reshape(s, [BLOCK_N, R4, 2]), axis=2)
+            x = _heads(s, R4)
         else:
             s = mma_v2(a0, q0, s_init)
             if D == 128:
