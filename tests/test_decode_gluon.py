@@ -28,7 +28,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from oscar_core.triton import decode_gluon
+from oscar_core.triton import decode, decode_gluon
 
 shape, cubin = json.loads(sys.argv[1]), sys.argv[2]
 fn = decode_gluon._int2_split_kernel
@@ -38,7 +38,8 @@ types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr=
 sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}
 attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*") or a == "T"}
 src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=1))
+options = dict(decode._gluon_options(const), num_stages=1)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 open(cubin, "wb").write(kernel.asm["cubin"])
 print(json.dumps({"shared": kernel.metadata.shared}))
 """
@@ -55,6 +56,8 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=7, R4=4, HT=2, STAGES=0, NGK=2, NGV=1, TB=128),
     dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=1, TB=1, D=64),
     dict(HG=7, R4=4, HT=2, STAGES=0, NGK=1, NGV=1, TB=64, D=64),
+    dict(HG=8, R4=8, STAGES=0, NGK=1, NGV=2, TB=64),
+    dict(HG=7, R4=8, STAGES=0, NGK=1, NGV=1, TB=64, D=64),
 ]
 
 

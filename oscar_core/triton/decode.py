@@ -656,12 +656,17 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
                      heads_per_program: int | None = None) -> dict:
     """decode_gluon._int2_split_kernel's constexprs for a store: HT programs of R4 query heads each cover
     a KV head's HG heads (R4 = 4 keeps every setting within 128 registers a thread, no spills).
-    heads_per_program None: 8 for 7 or more than 8 heads a KV head, else 4 (H100, 100K x 8, kernel_notes.md
-    v10: GQA 7 0.26 against 0.33 ms, GQA 16 0.19 against 0.23; GQA 5 and 8 0.43 against 0.51)."""
+    heads_per_program None: keys per token, 8 for 7 or more than 8 heads a KV head, else 4 (H100, 100K x 8,
+    kernel_notes.md v10: GQA 7 0.26 against 0.33 ms, GQA 16 0.19 against 0.23; GQA 5 and 8 0.43 against
+    0.51); keys per channel, 8 from 5 heads a KV head (a score column a head, so 8 heads cost about what 4
+    do: GQA 8 0.34 against 0.50 ms, v12)."""
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
     if heads_per_program is None:
-        heads_per_program = 8 if hg == 7 or hg > 8 else 4
+        if cache.token_block > 1:
+            heads_per_program = 8 if hg > 4 else 4
+        else:
+            heads_per_program = 8 if hg == 7 or hg > 8 else 4
     r4 = max(4, _pow2(min(hg, heads_per_program)))
     tb = cache.token_block
     ngk = head_dim // cache.key_group_size if tb == 1 else 1
@@ -679,10 +684,13 @@ def _capability(device: torch.device) -> tuple:
 _GLUON_SLOTS: dict = {}
 
 
-def _gluon_options() -> dict:
-    """The Gluon programs' compile options: one warp, registers held to decode_gluon.MAXNREG if set."""
-    cap = _gluon().MAXNREG
-    return dict(num_warps=1) if cap is None else dict(num_warps=1, maxnreg=cap)
+def _gluon_options(constexprs: dict) -> dict:
+    """The Gluon programs' compile options: one warp; at head_dim 64 with keys per channel, 128 registers a
+    thread (ptxas picks up to 168 there; held to 128 they run 10-25% faster with no spills: H100, 100K x 8,
+    kernel_notes.md v12)."""
+    if constexprs["D"] == 64 and constexprs["TB"] > 1:
+        return dict(num_warps=1, maxnreg=128)
+    return dict(num_warps=1)
 
 
 def _gluon_programs_per_sm(cache: Int2KVCache, constexprs: dict, device: torch.device) -> int:
@@ -690,12 +698,13 @@ def _gluon_programs_per_sm(cache: Int2KVCache, constexprs: dict, device: torch.d
     without launching): 65,536 registers and its shared memory, less the 1 KiB the driver keeps a program,
     shared among them. Triton 3.6 compiles the loop to 128 registers a thread (16 programs), later ones
     to more; the grid is sized for whichever runs."""
-    key = (device, tuple(sorted(constexprs.items())), tuple(sorted(_gluon_options().items())))
+    key = (device, tuple(sorted(constexprs.items())))
     if key not in _GLUON_SLOTS:
         qt = torch.empty(1, dtype=torch.bfloat16, device=device)
         f32 = torch.empty(1, dtype=torch.float32, device=device)
         args = _gluon_args(qt, cache, f32, f32, f32, 1.0, 2, 512, 2)
-        compiled = _gluon()._int2_split_kernel.warmup(*args, grid=(1, 1), **_gluon_options(), **constexprs)
+        compiled = _gluon()._int2_split_kernel.warmup(*args, grid=(1, 1), **_gluon_options(constexprs),
+                                                      **constexprs)
         compiled._init_handles()
         regs = -(-compiled.n_regs // 8) * 8
         smem = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
@@ -902,8 +911,10 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         # Up to 16 (sequence, KV head) pairs the Triton programs' one launch fewer wins at 8K tokens, the Gluon
         # programs at 32K (kernel.md, batch 1: 0.025 against 0.033 ms, 0.044 against 0.039).
         # From 9 query heads per KV head on, the Gluon programs at every length (the Triton programs' value
-        # accumulators spill: 0.39 against 0.07 ms at 16K x 8, 32/2 heads, shapes.md).
-        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 16384 or hg > 8)
+        # accumulators spill: 0.39 against 0.07 ms at 16K x 8, 32/2 heads, shapes.md); from 5 at 16 pairs
+        # (16K x 8 of 14/2 heads, d 64: 0.031 against 0.076 ms).
+        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 16384 or hg > 8
+                                                              or (hg > 4 and bsz * kv_heads == 16))
     elif gluon and (fused or not gluon_supported(q, cache)):
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64 or 128, groups of 64 or "
                          "128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
@@ -941,7 +952,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
                           F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1, num_warps=num_warps,
                           num_stages=num_stages),
-        gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads), gluon_consts=dict(**_gluon_options(), **consts),
+        gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
+        gluon_consts=dict(**_gluon_options(consts), **consts) if gluon else {},
         reduce_grid=(bsz * kv_heads, d // block_c),
         reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),
                                                                            max(8, _pow2(ns))),

@@ -56,8 +56,6 @@ _UNPACK = gl.constexpr(_UNPACK_TEXT)
 # tile n, so the loads' latency hides behind the products without holding registers; 0 loads each tile
 # straight into registers when it is needed. Read by decode.decode_attention at each launch.
 STAGES = 0
-# Registers a thread the programs are compiled to at most (None: as ptxas picks). Read at each launch plan.
-MAXNREG = None
 
 
 @gluon.jit
