@@ -58,6 +58,9 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=7, R4=4, HT=2, STAGES=0, NGK=1, NGV=1, TB=64, D=64),
     dict(HG=8, R4=8, STAGES=0, NGK=1, NGV=2, TB=64),
     dict(HG=7, R4=8, STAGES=0, NGK=1, NGV=1, TB=64, D=64),
+    dict(HG=8, R4=8, STAGES=0, NGK=2, NGV=2, TB=1),
+    dict(HG=5, R4=8, STAGES=0, NGK=1, NGV=2, TB=1),
+    dict(HG=7, R4=8, STAGES=0, NGK=1, NGV=1, TB=1, D=64),
 ]
 
 

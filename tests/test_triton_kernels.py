@@ -338,10 +338,10 @@ def test_decode_kernel_channel_keys_refuse_before_launch():
     (14, 2, 64, 64, "channel", 4, dict(R4=4, HT=2)),
     (32, 2, 128, 64, "token", 8, dict(HG=16, R4=8, HT=2)),
     (9, 3, 64, 64, "token", 4, dict(HG=3, R4=4, HT=1)),
-    (64, 8, 128, 64, "channel", None, dict(HG=8, R4=8, HT=1)),     # keys per channel: 8 heads from GQA 5
+    (64, 8, 128, 64, "channel", None, dict(HG=8, R4=8, HT=1)),     # 8 heads a program from GQA 5
     (40, 8, 128, 64, "channel", None, dict(HG=5, R4=8, HT=1)),
     (32, 8, 128, 64, "channel", None, dict(HG=4, R4=4, HT=1)),
-    (40, 8, 128, 64, "token", None, dict(HG=5, R4=4, HT=2)),
+    (40, 8, 128, 64, "token", None, dict(HG=5, R4=8, HT=1, STAGES=0)),
 ])
 def test_gluon_programs_cover_a_kv_heads_query_heads(heads, kv_heads, d, group, axis, per_program, expect):
     """Each KV head's HG query heads go to HT programs of R4 heads (R4·HT ≥ HG > R4·(HT − 1)), the groups

@@ -655,23 +655,19 @@ def gluon_supported(q: torch.Tensor, cache: Int2KVCache) -> bool:
 def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_programs: int,
                      heads_per_program: int | None = None) -> dict:
     """decode_gluon._int2_split_kernel's constexprs for a store: HT programs of R4 query heads each cover
-    a KV head's HG heads (R4 = 4 keeps every setting within 128 registers a thread, no spills).
-    heads_per_program None: keys per token, 8 for 7 or more than 8 heads a KV head, else 4 (H100, 100K x 8,
-    kernel_notes.md v10: GQA 7 0.26 against 0.33 ms, GQA 16 0.19 against 0.23; GQA 5 and 8 0.43 against
-    0.51); keys per channel, 8 from 5 heads a KV head (a score column a head, so 8 heads cost about what 4
-    do: GQA 8 0.34 against 0.50 ms, v12)."""
+    a KV head's HG heads. heads_per_program None: 8 from 5 heads a KV head, else 4. A program of 8 heads has
+    a score column a head (keys per token: a score tile a key group), so it costs about what one of 4 does
+    (H100, 100K x 8, kernel_notes.md v12: GQA 8 0.29 against 0.43 ms keys per token, 0.34 against 0.50 keys
+    per channel; GQA 16 0.15 against 0.18)."""
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
     if heads_per_program is None:
-        if cache.token_block > 1:
-            heads_per_program = 8 if hg > 4 else 4
-        else:
-            heads_per_program = 8 if hg == 7 or hg > 8 else 4
+        heads_per_program = 8 if hg > 4 else 4
     r4 = max(4, _pow2(min(hg, heads_per_program)))
     tb = cache.token_block
     ngk = head_dim // cache.key_group_size if tb == 1 else 1
     ngv = head_dim // cache.value_group_size
-    stages = _gluon().STAGES if (head_dim == 128 and tb == 1 and ngk == ngv == 2) else 0
+    stages = _gluon().STAGES if (head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4) else 0
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
                 BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4), D=head_dim)
 

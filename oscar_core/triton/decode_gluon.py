@@ -249,12 +249,14 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     scale and zero codes as bytes [B, H_kv, T, NG] (NG = 2 for groups of 64 channels, 1 for 128; zeros are
     int8 read as uint8). TB > 1: keys per channel over blocks of TB tokens, ksc and kz [B, H_kv, T/TB, D],
     the block's step and zero folded into the query operands each tile (_channel_query). T must be a
-    multiple of BLOCK_N and of TB. D: 64 or 128; the ring (STAGES > 0) only at D 128, TB 1, NGK = NGV = 2
-    (decode.gluon_constexprs keeps to these)."""
-    # Score columns: keys per token (r, g), g the key group; keys per channel one a head, padded to the mma's
-    # n = 8 (no group scales to keep apart).
-    NC: gl.constexpr = 8 if TB > 1 else 2 * R4
+    multiple of BLOCK_N and of TB. D: 64 or 128; the ring (STAGES > 0) only at D 128, TB 1, NGK = NGV = 2,
+    R4 = 4 (decode.gluon_constexprs keeps to these)."""
+    # Score columns, 8 (the mma's n): one a head, padded, and with keys per token at 4 heads a program one a
+    # (head, key group). With keys per token at 8 heads (GS) each product reads one group's words, t and 4 + t
+    # of a row, into a score tile of its own, so the columns stay one a head.
+    NC: gl.constexpr = 8
     CW: gl.constexpr = NC // R4                 # columns a head
+    GS: gl.constexpr = TB == 1 and R4 == 8
     NP: gl.constexpr = 8 if R4 < 8 else R4      # value product columns (heads, padded to the mma's n = 8)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -289,25 +291,36 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     qmask = (r0 + qc // CW < HG)[None, :]
     # At head_dim 64 one product (word t of a row: c(κ) = 8·(2t + e) + i, group 0) and the columns of
     # group 1 stay zero.
-    ch0 = (D // 4) * ((qk % 8) // 2) + 8 * (qk % 2) + qk // 8
+    # GS: product o reads word t + 4o, c_o(κ) = 8·(2·(t + 4o) + e) + i, all in group o.
+    ch0 = (16 if D == 64 or GS else 32) * ((qk % 8) // 2) + 8 * (qk % 2) + qk // 8
     qoff = qrow[None, :] * D + ch0[:, None]
-    if TB > 1:
+    if TB > 1 or GS:
         qsel = qmask & (qc % CW == 0)[None, :] & (ch0 >= 0)[:, None]
     else:
         qsel = qmask & ((ch0 // 64)[:, None] == (qc % 2)[None, :])
     rho = _rho_scale(qk)[:, None]
     qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
     if D == 128:
-        qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + 16, mask=qmask, other=0.0).to(gl.float32), 0.0)
+        qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + (64 if GS else 16), mask=qmask, other=0.0).to(gl.float32),
+                       0.0)
     else:
         qf1 = gl.zeros_like(qf0)
     q0 = (qf0 * rho).to(gl.bfloat16)
     q1 = (qf1 * rho).to(gl.bfloat16)
-    # Σ_κ q̂ (for the 128 offset) and Σ_c q̃ per group (for the key zero term), as score columns.
-    q_off = -128.0 * gl.convert_layout(gl.sum(q0.to(gl.float32) + q1.to(gl.float32), axis=0),
-                                       gl.SliceLayout(0, mma))
-    q_sum4 = 0.25 * gl.convert_layout(gl.sum(qf0 + qf1, axis=0), gl.SliceLayout(0, mma))
-    s_init = gl.zeros([BLOCK_N, NC], gl.float32, mma) + q_off[None, :]
+    # Σ_κ q̂ (for the 128 offset) and Σ_c q̃ per group (for the key zero term), as score columns; GS: per
+    # product (group).
+    cols: gl.constexpr = gl.SliceLayout(0, mma)
+    if GS:
+        q_sum0 = 0.25 * gl.convert_layout(gl.sum(qf0, axis=0), cols)
+        q_sum1 = 0.25 * gl.convert_layout(gl.sum(qf1, axis=0), cols)
+        s_init = gl.zeros([BLOCK_N, NC], gl.float32, mma) \
+            - 128.0 * gl.convert_layout(gl.sum(q0.to(gl.float32), axis=0), cols)[None, :]
+        s_init1 = gl.zeros([BLOCK_N, NC], gl.float32, mma) \
+            - 128.0 * gl.convert_layout(gl.sum(q1.to(gl.float32), axis=0), cols)[None, :]
+    else:
+        q_off = -128.0 * gl.convert_layout(gl.sum(q0.to(gl.float32) + q1.to(gl.float32), axis=0), cols)
+        q_sum4 = 0.25 * gl.convert_layout(gl.sum(qf0 + qf1, axis=0), cols)
+        s_init = gl.zeros([BLOCK_N, NC], gl.float32, mma) + q_off[None, :]
 
     # Scores [tokens, (r, g)] in the mma layout; summed over g, [tokens, r] in XL (in-thread).
     XL: gl.constexpr = _heads(s_init, R4).type.layout
@@ -321,7 +334,12 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     kt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K2))).to(gl.int64)
     kj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, K2))).to(gl.int64)
     if D == 128:
-        koff = ((8 * (km % 8) + km // 8) * 8)[:, None, None] + (2 * kt)[None, :, None] + kj[None, None, :]
+        # Words 2t and 2t + 1 of a row (one 8-byte load); GS: words t and 4 + t (two 4-byte loads).
+        if GS:
+            kword = kt[None, :, None] + 4 * kj[None, None, :]
+        else:
+            kword = 2 * kt[None, :, None] + kj[None, None, :]
+        koff = ((8 * (km % 8) + km // 8) * 8)[:, None, None] + kword
     else:
         km1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW)).to(gl.int64)
         koff = ((8 * (km1 % 8) + km1 // 8) * 4)[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, KW))[None, :]
@@ -431,14 +449,21 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         else:
             s = mma_v2(a0, q0, s_init)
             if D == 128:
-                s = mma_v2(a1, q1, s)
+                s1 = mma_v2(a1, q1, s_init1 if GS else s)
             ksc0, ksc1 = _tile_meta(kscb, CR)
             kz0, kz1 = _tile_meta(kzb.to(gl.int8, bitcast=True), CR)
             kst0 = gl.exp2(ksc0 * 0.125 + (log2_scale - 16.0))
             kst1 = gl.exp2(ksc1 * 0.125 + (log2_scale - 16.0))
-            kst = gl.where(grp1, kst1[:, None], kst0[:, None])
-            kzc = gl.where(grp1, kz1[:, None], kz0[:, None])
-            x = gl.sum(gl.reshape(kst * (s + kzc * q_sum4[None, :]), [BLOCK_N, R4, 2]), axis=2)
+            if GS:
+                x = kst0[:, None] * (s + kz0[:, None] * q_sum0[None, :])
+                if D == 128:
+                    x += kst1[:, None] * (s1 + kz1[:, None] * q_sum1[None, :])
+            else:
+                if D == 128:
+                    s = s1
+                kst = gl.where(grp1, kst1[:, None], kst0[:, None])
+                kzc = gl.where(grp1, kz1[:, None], kz0[:, None])
+                x = gl.sum(gl.reshape(kst * (s + kzc * q_sum4[None, :]), [BLOCK_N, R4, 2]), axis=2)
         x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
         m_tile = gl.max(x, axis=0)
         if gl.max(m_tile - m, axis=0) > 8.0:
@@ -509,7 +534,6 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         ws1 = gl.reshape(gl.join(ws1, ws1), [NP])
         zs0 = gl.reshape(gl.join(zs0, zs0), [NP])
         zs1 = gl.reshape(gl.join(zs1, zs1), [NP])
-    cols: gl.constexpr = gl.SliceLayout(0, mma)
     ws0 = gl.convert_layout(ws0, cols)[None, :]
     ws1 = gl.convert_layout(ws1, cols)[None, :]
     zs0 = gl.convert_layout(zs0, cols)[None, :]
