@@ -15,7 +15,10 @@ stored back through π. In κ order:
     κ = 8i + 2t + e (e = 0, 1) for every i: one 32-bit word of the row, and each pair is the two 16-bit
     halves of that word at bits 2i, so one lop3 makes a bf16x2 register of the A operand. The two
     products of a tile take words 2t and 2t + 1 (one 8-byte load a row), so each spans both groups;
-    the query operand keeps a column's own group's channels and zeroes the other's;
+    with keys per token at 4 heads a program the query operand keeps a column's own group's channels and
+    zeroes the other's (columns (head, group)); at 8 heads the products take words t and 4 + t, one group
+    each, into two score tiles, and with keys per channel there are no groups: a column a head either way,
+    so 8 heads fill the mma's 8 columns at the cost of 4;
   values, O^T = V^T·W (channels as M): thread (g, t) needs channels κ = 8i + g for token pairs
     (2t, 2t + 1): half-word g of each token; the two tokens' halves joined in one word give bf16x2
     registers by the same lop3.
@@ -229,7 +232,8 @@ def _channel_query(q, rho, sc, z, log2_scale):
     """Keys per channel: one product's query operand for a key block, q̂_κ = bf16(q_κ·step_c) from the
     loop's operand q_κ = q̃_c·4^-ρ (exact in bf16) and the block's step_c (score scale folded in), and its
     share of the score offset per column, Σ_κ q̂_κ·(4^ρ·z_c/4 − 128): the zero term, less the 128 the
-    unpack leaves in every code. sc, z: the block's scale and zero code bytes in κ order (_block_codes)."""
+    unpack leaves in every code. sc, z: the block's scale and zero code bytes in κ order as floats 2^23 + b
+    (_block_codes; z signed, plus 128)."""
     st = gl.exp2((sc - 8388608.0) * 0.125 + (log2_scale - 16.0))[:, None]
     q = (q.to(gl.float32) * st).to(gl.bfloat16)
     z = (z - 8388736.0)[:, None] * 0.25 / rho - 128.0
@@ -281,9 +285,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     start = (sid - NW) * chunk
     end = gl.minimum(start + chunk, n_int2)
 
-    # Query operands Q̂_o [κ, (r, g)] = q̃[r, c_o(κ)]·4^-ρ if channel c_o(κ) is in group g, else 0 (column
-    # 2r + g, so a thread's two score columns are the two groups of one head); loop invariant. Product o
-    # reads row word 2t + o at κ = 16s + 8h + 2t + e: half e, field i = 2s + h = κ div 8, so channel
+    # Query operands Q̂_o [κ, column] = q̃[r, c_o(κ)]·4^-ρ, loop invariant. Keys per token at 4 heads a
+    # program: column 2r + g, zero unless channel c_o(κ) is in group g (a thread's two score columns are the
+    # two groups of one head); otherwise column CW·r (CW − 1 zero columns after it). Product o reads row word
+    # 2t + o at κ = 16s + 8h + 2t + e: half e, field i = 2s + h = κ div 8, so channel
     # c_o(κ) = 8·(2·(2t + o) + e) + i, in group t div 2.
     qk = gl.arange(0, 64, layout=gl.SliceLayout(1, b_op))
     qc = gl.arange(0, NC, layout=gl.SliceLayout(0, b_op))
