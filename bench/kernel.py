@@ -63,8 +63,9 @@ def graph_bench(fn) -> float:
     return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
-def kernel_times(fn, calls: int = 20) -> dict:
-    """Device time per call of each kernel fn launches (torch.profiler, eager), in ms."""
+def kernel_times(fn, calls: int = 20, launches: dict | None = None) -> dict:
+    """Device time per call of each kernel fn launches (torch.profiler, eager), in ms; launches, if given,
+    gets each kernel's launches per call."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -75,6 +76,8 @@ def kernel_times(fn, calls: int = 20) -> dict:
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
             times[e.key] = times.get(e.key, 0.0) + e.device_time_total / calls / 1e3
+            if launches is not None:
+                launches[e.key] = launches.get(e.key, 0.0) + e.count / calls
     return times
 
 

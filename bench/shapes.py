@@ -110,7 +110,7 @@ def check(shape, gen) -> dict:
 
 def other_heads_per_program(q, cache) -> int:
     """The query heads a Gluon program the default does not choose (4 or 8)."""
-    return 12 - decode.launch_plan(q, cache, gluon=True).gluon_consts["R4"]
+    return 4 if decode.launch_plan(q, cache, gluon=True).gluon_consts["R4"] == 8 else 8
 
 
 def random_store(bsz, kv_heads, d, context, gk, gv, axis, gen) -> kvstore.Int2KVCache:

@@ -18,33 +18,39 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import serve  # noqa: E402
+from kernel import kernel_times  # noqa: E402
 
 from oscar_core.decode_graph import GreedyDecoder  # noqa: E402
 
 REPLAYS = 4
 
 
-def kernel_times(model, bundle, arm: str, batch: int, context: int) -> collections.Counter:
-    """ms per step of each kernel (by name, first 90 characters) over REPLAYS graph replays."""
+def step_kernels(model, bundle, arm: str, batch: int, context: int) -> tuple[collections.Counter, collections.Counter]:
+    """ms and launches per step of each kernel (by name, first 90 characters) over REPLAYS graph replays."""
     cache = serve.make_cache(arm, model, bundle, batch, context, 24)
     ids = torch.full((batch, 1), 11, dtype=torch.long, device="cuda")
+    launches = {}
     with serve.attention_for(arm, model), GreedyDecoder(model, cache, ids, max_new_tokens=20) as dec:
         dec.capture(2)
-        for _ in range(3):
+        for _ in range(2):
             dec.replay()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(REPLAYS):
-                dec.replay()
-            torch.cuda.synchronize()
-    times, counts = collections.Counter(), collections.Counter()
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
-            times[e.key[:90]] += e.device_time_total / REPLAYS / 1e3
-            counts[e.key[:90]] += e.count / REPLAYS
+        times = kernel_times(dec.replay, REPLAYS, launches)
     del cache
     torch.cuda.empty_cache()
-    return times, counts
+    ms, counts = collections.Counter(), collections.Counter()
+    for name, t in times.items():
+        ms[name[:90]] += t
+        counts[name[:90]] += launches[name]
+    return ms, counts
+
+
+def point(text: str) -> tuple[int, int]:
+    """'32768x8' -> (32768, 8)."""
+    try:
+        context, batch = map(int, text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected context x batch such as 32768x8, not {text!r}") from None
+    return context, batch
 
 
 def main():
@@ -52,12 +58,12 @@ def main():
     p.add_argument("--model", default="Qwen3-8B", choices=sorted(serve.SHAPES))
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--key-axis", default="channel", choices=("token", "channel"))
-    p.add_argument("--point", default="32768x8", help="context x batch")
+    p.add_argument("--point", default=(32768, 8), type=point, help="context x batch, such as 32768x8")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--out", default="bench/results/step_profile.md")
     args = p.parse_args()
     layers = args.layers or serve.SHAPES[args.model]["layers"]
-    context, batch = map(int, args.point.split("x"))
+    context, batch = args.point
     model = serve.qwen3_model(layers, args.model)
     bundle = serve.random_bundle(layers, key_axis=args.key_axis, heads=serve.SHAPES[args.model]["num_attention_heads"])
     props = torch.cuda.get_device_properties(0)
@@ -66,7 +72,7 @@ def main():
              f"random-initialised {args.model} shapes, {layers} layers, keys per {args.key_axis}, {context} x {batch}",
              f"- `bench/step_profile.py`: torch.profiler over {REPLAYS} CUDA-graph replays of one step; ms per step", ""]
     for arm in ("int2-graph", "bf16-flash"):
-        times, counts = kernel_times(model, bundle, arm, batch, context)
+        times, counts = step_kernels(model, bundle, arm, batch, context)
         lines += [f"## {arm}: {sum(times.values()):.2f} ms of kernels a step, {sum(counts.values()):.0f} kernels", "",
                   "| ms / step | launches / step | kernel |", "|---|---|---|"]
         lines += [f"| {v:.3f} | {counts[k]:.0f} | `{k.replace('|', '/')}` |" for k, v in times.most_common(args.top)]

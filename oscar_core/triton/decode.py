@@ -658,7 +658,7 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     a KV head's HG heads. heads_per_program None: 8 from 5 heads a KV head, else 4. A program of 8 heads has
     a score column a head (keys per token: a score tile a key group), so it costs about what one of 4 does
     (H100, 100K x 8, kernel_notes.md v12: GQA 8 0.29 against 0.43 ms keys per token, 0.34 against 0.50 keys
-    per channel; GQA 16 0.15 against 0.18)."""
+    per channel; GQA 16 0.15 against 0.22)."""
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
     if heads_per_program is None:

@@ -190,12 +190,8 @@ _I8_FLOATS = gl.constexpr(_BYTES_TEXT.replace("XOR", "0x80808080"))
 def _byte_floats(w, SIGNED: gl.constexpr):
     """int32 words [..., n] -> float32 [..., 4n]: byte k of word j at 4j + k, as 2^23 + b, b the byte
     unsigned, or signed plus 128: one prmt a byte moves it into the mantissa of 2^23."""
-    if SIGNED:
-        f0, f1, f2, f3 = gl.inline_asm_elementwise(_I8_FLOATS, "=r,=r,=r,=r,r", [w], dtype=(gl.float32,) * 4,
-                                                   is_pure=True, pack=1)
-    else:
-        f0, f1, f2, f3 = gl.inline_asm_elementwise(_U8_FLOATS, "=r,=r,=r,=r,r", [w], dtype=(gl.float32,) * 4,
-                                                   is_pure=True, pack=1)
+    f0, f1, f2, f3 = gl.inline_asm_elementwise(_I8_FLOATS if SIGNED else _U8_FLOATS, "=r,=r,=r,=r,r", [w],
+                                               dtype=(gl.float32,) * 4, is_pure=True, pack=1)
     x = gl.permute(gl.join(gl.join(f0, f1), gl.join(f2, f3)), [0, 1, 3, 2])
     return gl.reshape(x, [w.shape[0], 4 * w.shape[1]])
 
