@@ -4,10 +4,12 @@ Every row moves the same bytes a side: the BF16 keys (or values) in, the INT2 co
 zero codes out; effective bandwidth = those bytes over the median time (do_bench), against the device's copy
 bandwidth (bytes read plus written). Rows:
 - write_int2: one side, the rotation split on every call (kvstore.write_int2's signature);
-- write_int2_prepared: the same kernel with the split made once, over a sweep of tile, waves and stages;
+- write_int2_prepared: the same kernel with the split made once, over a sweep of tile, waves, stages, the
+  register cap and loading a tile ahead;
 - prefill K+V: the whole prefill of an empty store as OscarCache writes it (sink, ring and INT2 rows of both
   sides): append_kv (before this bench), prefill_kv with keys per token and keys per channel (blocks of 64 and
-  128), and the torch reference (kvstore.append) that wrote keys-per-channel prefills before prefill_kv.
+  128), and the torch reference (kvstore.append) that wrote keys-per-channel prefills before prefill_kv; prefill_kv
+  over a sweep of tile, waves, stages, the register cap and loading a tile ahead.
 Codes agree with kvstore's reference on a 4,096-token prefill (share of equal codes, scale and zero codes).
 For a bare GPU image:
     PYTHONPATH=. python3 bench/write.py --out bench/results/write.md
@@ -56,12 +58,15 @@ def prefill_arms(lay, axis: str, g: int):
     if axis == "token":
         arms["append_kv (bt 64)"] = lambda st, k, v: write.append_kv(st, k, v, *split, lay.key_clip, lay.value_clip,
                                                                      evict=False)
+    settings = [(waves, 1, regs, ahead) for waves in (2, 4, 8) for regs in (None, 168) for ahead in (False, True)]
+    settings.append((4, 2, None, False))
     for bt in ((64, 128) if axis == "token" else (g,)):
-        for waves in (2, 4, 8):
-            for stages in (1, 2):
-                arms[f"prefill_kv bt {bt} waves {waves} stages {stages}"] = (
-                    lambda st, k, v, bt=bt, waves=waves, stages=stages: write.prefill_kv(
-                        st, k, v, *split, lay.key_clip, lay.value_clip, block_t=bt, waves=waves, num_stages=stages))
+        for waves, stages, regs, ahead in settings:
+            cap = f" registers {regs}" if regs else ""
+            arms[f"prefill_kv bt {bt} waves {waves} stages {stages}{cap} ahead {int(ahead)}"] = (
+                lambda st, k, v, bt=bt, waves=waves, stages=stages, regs=regs, ahead=ahead: write.prefill_kv(
+                    st, k, v, *split, lay.key_clip, lay.value_clip, block_t=bt, waves=waves, num_stages=stages,
+                    registers=regs, ahead=ahead))
     return arms
 
 
@@ -98,12 +103,14 @@ def bench_side(gen, bandwidth: float) -> list[dict]:
     split = write.prepare_rotation(lay.key_rotation, lay.key_mean)
     arms = {"write_int2 (splits R each call)": lambda xx, **kw: write.write_int2(xx, lay.key_rotation, lay.key_clip,
                                                                                   64, lay.key_mean)}
-    for bt in (64, 128):
-        for waves in (2, 4):
-            for stages in (1, 2, 3):
-                arms[f"write_int2_prepared bt {bt} waves {waves} stages {stages}"] = (
-                    lambda xx, bt=bt, waves=waves, stages=stages: write.write_int2_prepared(
-                        xx, split, lay.key_clip, 64, block_t=bt, waves=waves, num_stages=stages))
+    settings = [(bt, waves, 1, regs, ahead) for bt in (64, 128) for waves in (2, 4) for regs in (128, 168)
+                for ahead in (False, True)]
+    settings += [(128, 2, stages, 128, False) for stages in (2, 3)]
+    for bt, waves, stages, regs, ahead in settings:
+        arms[f"write_int2_prepared bt {bt} waves {waves} stages {stages} registers {regs} ahead {int(ahead)}"] = (
+            lambda xx, bt=bt, waves=waves, stages=stages, regs=regs, ahead=ahead: write.write_int2_prepared(
+                xx, split, lay.key_clip, 64, block_t=bt, waves=waves, num_stages=stages, registers=regs,
+                ahead=ahead))
     rows = []
     for name, fn in arms.items():
         same = min((a == b).float().mean().item() for a, b in zip(fn(x[:4096]), ref))

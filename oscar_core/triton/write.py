@@ -13,7 +13,10 @@ ulp: codes agree on 99.997% of entries, bench/results/write.md); channel 4j + i 
 
 Prefill (prefill_kv), an empty store: program p of (sequence, KV head, side) quantizes INT2 tiles p, p + P, ...
 of positions S + kBT .. (keys per channel: one key block a tile, quantized down its columns), then writes
-its sink and ring tiles in BF16.
+its sink and ring tiles in BF16. A key block is rotated transposed, Rᵀ·xᵀ [d, G], its rows (channels) in
+_byte_order: a channel's range is then a reduction inside a thread and its quad, and the four channels of a
+byte sit in one thread, where rows would spread each channel over the whole program (4,228 instructions a
+64-token tile on sm_90 before, 868 now; bench/results/write.md).
 
 Append (append_kv). Row r of the launch is token t = r mod n of sequence b = r div n; with L_b the
 length after the append (the caller advanced it, kvstore.advance) and s_b the sequence's leading pads,
@@ -28,8 +31,8 @@ Keys per channel (kvstore's key_axis "channel", a ring of R = W + G slots): an a
 two launches. leave_blocks first quantizes the blocks whose last token the append pushes out of the W
 window (at most ⌈n/G⌉ a sequence; a decode step, one every G steps, and its programs exit at once
 otherwise): program (k, b·H_kv + h, side) reads the G ring rows of the k-th such block of sequence b,
-keys per channel (_quantize_columns: the arithmetic of quant.quantize down each column of the [G, d]
-tile) and values per token (_quantize), into their INT2 rows. A Triton kernel rather than torch on the
+keys per channel (_quantize_columns: the arithmetic of quant.quantize down each channel of the block,
+loaded transposed) and values per token (_quantize), into their INT2 rows. A Triton kernel rather than torch on the
 device: which sequence has a block to move depends on its length, which only the device holds, so one
 launch with no host read decides it per program and a decode step stays capturable in a CUDA graph.
 Then append_kv writes the new tokens to their sink row or ring slot (p − S) mod R, with no eviction (a
@@ -52,8 +55,19 @@ def _round(x):
 
 
 @triton.jit
-def _scale_code(step, ROUND_UP: tl.constexpr):
-    e = tl.log2(tl.maximum(step, 2.0 ** -20)) * 8.0
+def _log2(x, F32: tl.constexpr):
+    """log2 of a positive normal x; on the GPU the multifunction unit's (lg2.approx, within 2^-22 absolute)
+    rather than tl.log2's polynomial of some 20 instructions."""
+    if F32:
+        y = tl.log2(x)
+    else:
+        y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return y
+
+
+@triton.jit
+def _scale_code(step, ROUND_UP: tl.constexpr, F32: tl.constexpr):
+    e = _log2(tl.maximum(step, 2.0 ** -20), F32) * 8.0
     if ROUND_UP:
         e = tl.ceil(e)
     else:
@@ -72,18 +86,29 @@ def dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x, r_hi, r_lo, acc, F32: tl.constexpr):
+def _product(x, r, acc, T: tl.constexpr, F32: tl.constexpr):
+    """acc + x·r, or with T acc + r·xᵀ (r then holds a transposed factor)."""
+    if T:
+        c = dot(r, tl.trans(x), acc, F32)
+    else:
+        c = dot(x, r, acc, F32)
+    return c
+
+
+@triton.jit
+def _rotate(x, r_hi, r_lo, acc, F32: tl.constexpr, T: tl.constexpr = False):
     """acc + x·(R_hi + R_lo) in float32 from bf16 products, x [BT, D] as loaded: bf16, or another float type
-    split into bf16 x_hi + x_lo; acc float32 [BT, D] (−μ·R broadcast, or zeros)."""
+    split into bf16 x_hi + x_lo; acc float32 [BT, D] (−μ·R broadcast, or zeros). With T the transpose,
+    acc + (R_hi + R_lo)ᵀ·xᵀ [D, BT], from r_hi / r_lo holding the factors transposed (rows in any order)."""
     if x.dtype != tl.bfloat16:
         xf = x.to(tl.float32)
         xh = xf.to(tl.bfloat16)
-        y = dot(xh, r_hi, acc, F32)
-        y = dot(xh, r_lo, y, F32)
-        y = dot((xf - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, F32)
+        y = _product(xh, r_hi, acc, T, F32)
+        y = _product(xh, r_lo, y, T, F32)
+        y = _product((xf - xh.to(tl.float32)).to(tl.bfloat16), r_hi, y, T, F32)
     else:
-        y = dot(x, r_hi, acc, F32)
-        y = dot(x, r_lo, y, F32)
+        y = _product(x, r_hi, acc, T, F32)
+        y = _product(x, r_lo, y, T, F32)
     return y
 
 
@@ -98,19 +123,19 @@ def _start(mr_ptr, h, BT: tl.constexpr, D: tl.constexpr, HAS_MEAN: tl.constexpr)
 
 
 @triton.jit
-def _group_params(lo, hi, clip):
+def _group_params(lo, hi, clip, F32: tl.constexpr):
     """quant.quantize's parameters of groups with range [lo, hi]: (scale code, 1/step, zero code), float32; the
     step is widened until the zero code fits in int8. Divisions by a constant are products by its reciprocal
     and 1/step is 2^(−e/8), not a division: each can move a value by an ulp, so a range that close to a
     boundary of the scale or zero code may take the neighbouring code (quant.quantize divides)."""
     mid = (hi + lo) * 0.5
     half = (hi - lo) * 0.5 * clip
-    code = _scale_code(half * (2.0 / 3.0), False)
+    code = _scale_code(half * (2.0 / 3.0), False, F32)
     inv = tl.exp2((128.0 - code) * 0.125)
     zero = _round(4.0 * (mid * inv - 1.5))
     overflow = (zero < -128.0) | (zero > 127.0)
     lowest = tl.abs(mid - 1.5 * tl.exp2((code - 128.0) * 0.125))
-    wide = _scale_code(lowest * (4.0 / 127.0), True)
+    wide = _scale_code(lowest * (4.0 / 127.0), True, F32)
     code = tl.where(overflow, tl.maximum(code, wide), code)
     inv = tl.exp2((128.0 - code) * 0.125)
     zero = tl.where(overflow, _round(4.0 * (mid * inv - 1.5)), zero)
@@ -120,17 +145,19 @@ def _group_params(lo, hi, clip):
 
 @triton.jit
 def _codes(y, a, b, F32: tl.constexpr):
-    """round(clamp(y·a + b, 0, 3)) as int32 0..3 (= clamp(round(·), 0, 3), ties to even). The clamped value
-    plus ROUND_MAGIC holds the rounded integer in its low mantissa bits, read without a float-to-int
-    conversion. On the GPU the clamp is the saturation of one fma, u = sat(y·a/3 + b/3) in [0, 1], and
-    3u + ROUND_MAGIC one more (the /3 and ·3 move a value by a few ulps, as the reciprocal does)."""
+    """round(clamp(y·a + b, 0, 3)) (= clamp(round(·), 0, 3), ties to even) in the low two bits of an int32
+    whose bits above them are those of ROUND_MAGIC: the clamped value plus ROUND_MAGIC holds the rounded
+    integer in its low mantissa bits, read without a float-to-int conversion. ROUND_MAGIC's low 22 bits are
+    zero, so the low byte of Σ_i codes_i << 2i is the packed byte with no mask. On the GPU the clamp is the
+    saturation of one fma, u = sat(y·a/3 + b/3) in [0, 1], and 3u + ROUND_MAGIC one more (the /3 and ·3 move
+    a value by a few ulps, as the reciprocal does)."""
     if F32:
         v = tl.minimum(tl.maximum(y * a + b, 0.0), 3.0) + ROUND_MAGIC
     else:
         u = tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=r,r,r,r", [y, a / 3.0, b / 3.0],
                                       dtype=tl.float32, is_pure=True, pack=1)
         v = u * 3.0 + ROUND_MAGIC
-    return v.to(tl.int32, bitcast=True) & 3
+    return v.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -140,17 +167,10 @@ def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: 
     division in the last bit, so a value that close to a rounding boundary may take the other code."""
     NG: tl.constexpr = D // G
     yg = tl.reshape(y, [BT, NG, G])
-    code, inv, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip)
-    q = _codes(yg, inv[:, :, None], -(zero * 0.25)[:, :, None], F32)
-    return _pack(tl.reshape(q, [BT, D]), BT, D), code.to(tl.uint8), zero.to(tl.int8)
-
-
-@triton.jit
-def _pack(q, BT: tl.constexpr, D: tl.constexpr):
-    """Codes q [BT, D] int32 in 0..3 packed four a byte along the channels (channel 4j + i at bits 2i of
-    byte j): uint8 [BT, D/4]."""
-    q = tl.reshape(q, [BT, D // 4, 4])
-    return tl.sum(q << (tl.arange(0, 4) * 2)[None, None, :], axis=2).to(tl.uint8)
+    code, inv, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip, F32)
+    q = tl.reshape(_codes(yg, inv[:, :, None], -(zero * 0.25)[:, :, None], F32), [BT, D // 4, 4])
+    packed = tl.sum(q << (tl.arange(0, 4) * 2)[None, None, :], axis=2)
+    return packed.to(tl.uint8), code.to(tl.uint8), zero.to(tl.int8)
 
 
 @triton.jit
@@ -169,8 +189,9 @@ def _store_int2(codes_ptr, scale_ptr, zero_ptr, base_c, base_m, y, clip, mask,
 def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_ptr, zero_ptr, tokens, n_tiles,
                   sx_t, sx_h, sc_t, sc_h, ss_t, ss_h, sz_t, sz_h,
                   D: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  F32: tl.constexpr):
-    """Program (p, h) quantizes tiles p, p + P, ... of BLOCK_T tokens of head h, R loaded once."""
+                  AHEAD: tl.constexpr, F32: tl.constexpr):
+    """Program (p, h) quantizes tiles p, p + P, ... of BLOCK_T tokens of head h, R loaded once; with AHEAD
+    the next tile's load is issued before this tile's work."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.arange(0, D)
@@ -178,16 +199,31 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
     r_hi = tl.load(rhi_ptr + rot)
     r_lo = tl.load(rlo_ptr + rot)
     clip = tl.load(clip_ptr + h)
+    start = _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN)
     i = tl.arange(0, BLOCK_T)
+    x = _token_tile(x_ptr, pid, tokens, sx_t, sx_h, h, D, BLOCK_T)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
+        if AHEAD:
+            x_next = _token_tile(x_ptr, tile + tl.num_programs(0), tokens, sx_t, sx_h, h, D, BLOCK_T)
+        else:
+            x = _token_tile(x_ptr, tile, tokens, sx_t, sx_h, h, D, BLOCK_T)
         # 64-bit offsets once a tile (scalars), 32-bit ones inside it.
         t0 = tile * BLOCK_T
         t64 = t0.to(tl.int64)
-        tmask = t0 + i < tokens
-        x = tl.load(x_ptr + (t64 * sx_t + h * sx_h) + (i[:, None] * sx_t + c[None, :]), mask=tmask[:, None], other=0.0)
-        y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN), F32)
+        y = _rotate(x, r_hi, r_lo, start, F32)
         _store_int2(codes_ptr + (t64 * sc_t + h * sc_h), scale_ptr + (t64 * ss_t + h * ss_h),
-                    zero_ptr + (t64 * ss_t + h * ss_h), i * sc_t, i * ss_t, y, clip, tmask, BLOCK_T, D, G, F32)
+                    zero_ptr + (t64 * ss_t + h * ss_h), i * sc_t, i * ss_t, y, clip, t0 + i < tokens, BLOCK_T, D, G,
+                    F32)
+        if AHEAD:
+            x = x_next
+
+
+@triton.jit
+def _token_tile(x_ptr, tile, tokens, sx_t, sx_h, h, D: tl.constexpr, BT: tl.constexpr):
+    """x [BT, D] of head h, tokens tile·BT + i; those past `tokens` zeros (and not read)."""
+    i = tl.arange(0, BT)
+    return tl.load(x_ptr + ((tile * BT).to(tl.int64) * sx_t + h * sx_h) + (i[:, None] * sx_t + tl.arange(0, D)[None, :]),
+                   mask=(tile * BT + i < tokens)[:, None], other=0.0)
 
 
 @triton.jit
@@ -265,20 +301,26 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
 
 
 @triton.jit
+def _int2_tile(xb, k, S, first, int2_end, sx_t, D: tl.constexpr, BT: tl.constexpr):
+    """x [BT, D] of INT2 tile k: positions S + k·BT + i, rows past int2_end zeros (and not read)."""
+    i = tl.arange(0, BT)
+    # 64-bit offsets once a tile (scalars), 32-bit ones inside it.
+    return tl.load(xb + (S + k * BT + first).to(tl.int64) * sx_t + (i[:, None] * sx_t + tl.arange(0, D)[None, :]),
+                   mask=(S + k * BT + i < int2_end)[:, None], other=0.0)
+
+
+@triton.jit
 def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, sink_ptr, ring_ptr,
                   codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, n, T,
                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                   R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  F32: tl.constexpr):
+                  AHEAD: tl.constexpr, F32: tl.constexpr):
     """One side of sequence b, KV head h: program p takes INT2 tiles p, p + P, ... of BT positions, then BF16
     tiles (sink, ring) p, p + P, ...: two loops without branches (prefill_kv)."""
     NG: tl.constexpr = D // G
     J0: tl.constexpr = (S + BT - 1) // BT
     c = tl.arange(0, D)
     i = tl.arange(0, BT)
-    rot = h * D * D + c[:, None] * D + c[None, :]
-    r_hi = tl.load(rhi_ptr + rot)
-    r_lo = tl.load(rlo_ptr + rot)
     clip = tl.load(clip_ptr + h)
     length = tl.load(len_ptr + b)
     first = n - length                                              # leading pads: the store was empty
@@ -286,24 +328,45 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
     bh = (b * H + h).to(tl.int64)
     xb = x_ptr + (b.to(tl.int64) * sx_b + h * sx_h)
     n_int2 = int2_end - S
-    # INT2 tiles: positions S + k·BT + i below int2_end (the last tile may end in the ring: masked).
+    if COLUMNS:
+        # Key blocks transposed, [D, BT] with rows in _byte_order: the factors as Rᵀ, rows reordered.
+        order = _byte_order(D)
+        rot = h * D * D + c[None, :] * D + order[:, None]
+        if HAS_MEAN:
+            start = tl.broadcast_to(-tl.load(mr_ptr + h * D + order)[:, None], [D, BT])
+        else:
+            start = tl.zeros([D, BT], tl.float32)
+    else:
+        rot = h * D * D + c[:, None] * D + c[None, :]
+        start = _start(mr_ptr, h, BT, D, HAS_MEAN)
+    r_hi = tl.load(rhi_ptr + rot)
+    r_lo = tl.load(rlo_ptr + rot)
+    # INT2 tiles: positions S + k·BT + i below int2_end (the last tile may end in the ring: masked). With
+    # AHEAD the next tile's load is issued before this tile's work (its registers in flight meanwhile).
+    x = _int2_tile(xb, tl.program_id(0), S, first, int2_end, sx_t, D, BT)
     for k in range(tl.program_id(0), (n_int2 + BT - 1) // BT, tl.num_programs(0)):
-        pos = S + k * BT + i
-        in_int2 = pos < int2_end
-        # 64-bit offsets once a tile (scalars), 32-bit ones inside it.
-        x = tl.load(xb + (S + k * BT + first).to(tl.int64) * sx_t + (i[:, None] * sx_t + c[None, :]),
-                    mask=in_int2[:, None], other=0.0)
-        y = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), F32)
+        in_int2 = S + k * BT + i < int2_end
+        if AHEAD:
+            x_next = _int2_tile(xb, k + tl.num_programs(0), S, first, int2_end, sx_t, D, BT)
+        else:
+            x = _int2_tile(xb, k, S, first, int2_end, sx_t, D, BT)
+        y = _rotate(x, r_hi, r_lo, start, F32, COLUMNS)
         row0 = bh * T + k * BT
         if COLUMNS:
             # A whole key block (BT = TB = G): quantized down its columns.
             packed, code, zero = _quantize_columns(y, clip, BT, D, F32)
-            tl.store(codes_ptr + row0 * (D // 4) + (i[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]), packed)
-            tl.store(scale_ptr + (bh * (T // BT) + k) * D + c, code)
-            tl.store(zero_ptr + (bh * (T // BT) + k) * D + c, zero)
+            tl.store(codes_ptr + row0 * (D // 4) + (i[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None]), packed)
+            tl.store(scale_ptr + (bh * (T // BT) + k) * D + order, code)
+            tl.store(zero_ptr + (bh * (T // BT) + k) * D + order, zero)
         else:
             _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG, i * (D // 4),
                         i * NG, y, clip, in_int2, BT, D, G, F32)
+        if AHEAD:
+            x = x_next
+    # The BF16 tiles in channel order.
+    rot = h * D * D + c[:, None] * D + c[None, :]
+    r_hi = tl.load(rhi_ptr + rot)
+    r_lo = tl.load(rlo_ptr + rot)
     # BF16 tiles: the sink's J0, then the ring's, from the tile that holds position int2_end on.
     ring0 = n_int2 // BT
     n_bf16 = J0 + (tl.maximum(length - S, 0) + BT - 1) // BT - ring0
@@ -327,18 +390,18 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                     len_ptr, n, T,
                     H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                     W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr,
-                    V_MEAN: tl.constexpr, F32: tl.constexpr):
+                    V_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr):
     """Grid (P, B·H_kv, 2): program (p, b·H + h, side) writes tiles p, p + P, ... of one side of sequence b."""
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
     if tl.program_id(2) == 0:
         _prefill_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, ksink_ptr, kring_ptr,
                       kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, n, T, H, D, GK, S, W, R, TB, BT,
-                      TB > 1, K_MEAN, F32)
+                      TB > 1, K_MEAN, AHEAD, F32)
     else:
         _prefill_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr, vsink_ptr, vring_ptr,
                       vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, n, T, H, D, GV, S, W, R, TB, BT,
-                      False, V_MEAN, F32)
+                      False, V_MEAN, AHEAD, F32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,11 +430,14 @@ def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, grou
 
 
 def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: int = 64, out=None,
-                        block_t: int = 128, waves: int = 2, num_stages: int = 1):
+                        block_t: int = 128, waves: int = 2, num_stages: int = 1, ahead: bool = False,
+                        registers: int | None = 128):
     """write_int2 with the rotation already split: split = prepare_rotation(rotation, mean). Tiles of block_t
-    tokens of one head a program, `waves` programs a multiprocessor, num_stages tiles of x in flight. The
-    defaults were the fastest of bench/write.py's sweep: 8-warp programs of 128 tokens held to 128 registers
-    a thread, so that two share a multiprocessor and hide each other's loads (better than staging them)."""
+    tokens of one head a program, `waves` programs a multiprocessor, num_stages tiles of x in flight, `ahead`:
+    each tile's load issued a tile early, `registers`: the cap a thread (None: ptxas's choice). The defaults were
+    the fastest of bench/write.py's sweep: 8-warp programs of 128 tokens held to 128 registers a thread, so
+    that two share a multiprocessor and hide each other's loads (better than staging them or loading ahead,
+    which needs more registers)."""
     tokens, heads, d = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
@@ -386,9 +452,9 @@ def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: 
     _write_kernel[(programs, heads)](
         x, r_hi, r_lo, r_hi if mr is None else mr, clip.float().contiguous(), codes, scale, zero, tokens, n_tiles,
         x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
-        zero.stride(0), zero.stride(1), D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mr is not None,
+        zero.stride(0), zero.stride(1), D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mr is not None, AHEAD=ahead,
         F32=not x.is_cuda, num_warps=4 if block_t <= 64 else 8,
-        num_stages=num_stages, **({"maxnreg": 128} if x.is_cuda and block_t > 64 else {}))
+        num_stages=num_stages, **({"maxnreg": registers} if x.is_cuda and registers else {}))
     return codes, scale, zero
 
 
@@ -428,7 +494,8 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
 
 
 def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
-               value_clip: torch.Tensor, block_t: int = 64, waves: int = 4, num_stages: int = 1) -> None:
+               value_clip: torch.Tensor, block_t: int = 64, waves: int = 4, num_stages: int = 1,
+               registers: int | None = None, ahead: bool = True) -> None:
     """Triton kvstore.append into an empty store (a prefill), keys per token or per channel: keys/values
     [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
     L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
@@ -436,8 +503,9 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     kvstore.append would place them: INT2 tiles quantized (a key block's columns together), then the sink's
     and the ring's tiles in BF16, each in a loop of its own whose bounds come from the lengths on the device
     (branches inside one loop made triton 3.6's pipeliner fail). key_rot / value_rot: prepare_rotation's
-    triples; clips float32 [H_kv]. Defaults: the fastest of bench/write.py's sweep (programs of 64 tokens,
-    4 a multiprocessor, hiding each other's loads)."""
+    triples; clips float32 [H_kv]. registers: the cap on registers a thread (None: ptxas's choice); ahead: each
+    INT2 tile's load issued a tile early, while the tile before it is quantized. Defaults: the fastest of
+    bench/write.py's sweep (4-warp programs of 64 tokens, loading ahead, at ptxas's registers)."""
     bsz, heads, n, d = keys.shape
     s, tb = cache.sink_tokens, cache.token_block
     bt = tb if tb > 1 else block_t
@@ -451,17 +519,32 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
         n, cache.key_codes.shape[2], H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
-        F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8,
-        num_stages=num_stages)
+        AHEAD=ahead, F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8,
+        num_stages=num_stages, **({"maxnreg": registers} if keys.is_cuda and registers else {}))
 
 
 @triton.jit
-def _quantize_columns(y, clip, BT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
-    """quant.quantize down each column of y [BT, D] float32 (one group of BT tokens a channel), codes packed
-    along the channels: (bytes uint8 [BT, D/4], scale codes uint8 [D], zero codes int8 [D])."""
-    code, inv, zero = _group_params(tl.min(y, axis=0), tl.max(y, axis=0), clip)
-    q = _codes(y, inv[None, :], -(zero * 0.25)[None, :], F32)
-    return _pack(q, BT, D), code.to(tl.uint8), zero.to(tl.int8)
+def _byte_order(D: tl.constexpr):
+    """The channel that row m of a transposed key block [D, G] holds (_quantize_columns): with
+    m = (D/2)·a + 16·w + 8·b + g (g < 8), channel 4·(8w + g) + 2a + b. The four channels of packed byte
+    8w + g then lie in rows m, m + 8, m + D/2, m + D/2 + 8, which the tensor cores' accumulator gives to
+    one thread: codes pack without crossing threads."""
+    m = tl.arange(0, D)
+    r = m % (D // 2)
+    return 4 * (8 * (r // 16) + r % 8) + 2 * (m // (D // 2)) + (r // 8) % 2
+
+
+@triton.jit
+def _quantize_columns(yt, clip, BT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
+    """quant.quantize of a key block transposed, yt [D, BT] float32 with its rows in _byte_order (one group of
+    BT tokens a channel), codes packed along the channels: (bytes uint8 [D/4, BT], byte j of token t at
+    [j, t]; scale codes uint8 [D] and zero codes int8 [D], row m's at m). Rows are channels so that a
+    channel's range is a reduction inside a thread and its quarter of threads, not across the block."""
+    code, inv, zero = _group_params(tl.min(yt, axis=1), tl.max(yt, axis=1), clip, F32)
+    q = tl.reshape(_codes(yt, inv[:, None], -(zero * 0.25)[:, None], F32), [2, D // 32, 2, 8, BT])
+    shift = tl.arange(0, 2)[:, None, None, None, None] * 4 + tl.arange(0, 2)[None, None, :, None, None] * 2
+    packed = tl.sum(tl.sum(q << shift, axis=2), axis=0)
+    return tl.reshape(packed, [D // 4, BT]).to(tl.uint8), code.to(tl.uint8), zero.to(tl.int8)
 
 
 @triton.jit
@@ -486,17 +569,18 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
         t = tl.arange(0, G)
         c = tl.arange(0, D)
         bh64 = bh.to(tl.int64)
-        ring = (bh64 * R + (blk * G + t) % R)[:, None] * D + c[None, :]
+        slot = (bh64 * R + (blk * G + t) % R) * D
         row = bh64 * T + blk * G + t
         if tl.program_id(2) == 0:
-            y = tl.load(kring_ptr + ring).to(tl.float32)
-            packed, code, zero = _quantize_columns(y, tl.load(kclip_ptr + h), G, D, F32)
-            tl.store(kcodes_ptr + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], packed)
-            meta = (bh64 * (T // G) + blk) * D + c
+            order = _byte_order(D)
+            yt = tl.load(kring_ptr + slot[None, :] + order[:, None]).to(tl.float32)
+            packed, code, zero = _quantize_columns(yt, tl.load(kclip_ptr + h), G, D, F32)
+            tl.store(kcodes_ptr + row[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None], packed)
+            meta = (bh64 * (T // G) + blk) * D + order
             tl.store(kscale_ptr + meta, code)
             tl.store(kzero_ptr + meta, zero)
         else:
-            y = tl.load(vring_ptr + ring).to(tl.float32)
+            y = tl.load(vring_ptr + slot[:, None] + c[None, :]).to(tl.float32)
             _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, row * (D // 4), row * (D // GV), y,
                         tl.load(vclip_ptr + h), t < G, G, D, GV, F32)
 
