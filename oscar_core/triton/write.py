@@ -222,7 +222,7 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
 def _token_tile(x_ptr, tile, tokens, sx_t, sx_h, h, D: tl.constexpr, BT: tl.constexpr):
     """x [BT, D] of head h, tokens tile·BT + i; those past `tokens` zeros (and not read)."""
     i = tl.arange(0, BT)
-    return tl.load(x_ptr + ((tile * BT).to(tl.int64) * sx_t + h * sx_h) + (i[:, None] * sx_t + tl.arange(0, D)[None, :]),
+    return tl.load(x_ptr + (tl.cast(tile, tl.int64) * BT * sx_t + h * sx_h) + (i[:, None] * sx_t + tl.arange(0, D)[None, :]),
                    mask=(tile * BT + i < tokens)[:, None], other=0.0)
 
 
@@ -495,7 +495,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
 
 def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
                value_clip: torch.Tensor, block_t: int = 64, waves: int = 4, num_stages: int = 1,
-               registers: int | None = None, ahead: bool = True) -> None:
+               registers: int | None = 0, ahead: bool | None = None) -> None:
     """Triton kvstore.append into an empty store (a prefill), keys per token or per channel: keys/values
     [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
     L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
@@ -504,11 +504,14 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     and the ring's tiles in BF16, each in a loop of its own whose bounds come from the lengths on the device
     (branches inside one loop made triton 3.6's pipeliner fail). key_rot / value_rot: prepare_rotation's
     triples; clips float32 [H_kv]. registers: the cap on registers a thread (None: ptxas's choice); ahead: each
-    INT2 tile's load issued a tile early, while the tile before it is quantized. Defaults: the fastest of
-    bench/write.py's sweep (4-warp programs of 64 tokens, loading ahead, at ptxas's registers)."""
+    INT2 tile's load issued a tile early, while the tile before it is quantized. Defaults (0 and None): the
+    fastest of bench/write.py's sweep for the tile, 4-warp programs of 64 tokens loading ahead at ptxas's
+    registers, 8-warp ones (keys per channel in blocks of 128) held to 128 registers, not ahead."""
     bsz, heads, n, d = keys.shape
     s, tb = cache.sink_tokens, cache.token_block
     bt = tb if tb > 1 else block_t
+    registers = (128 if bt > 64 else None) if registers == 0 else registers
+    ahead = bt <= 64 if ahead is None else ahead
     n_tiles = triton.cdiv(s, bt) + triton.cdiv(max(n - s, 0), bt)
     programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * bsz * heads))))
     (khi, klo, kmr), (vhi, vlo, vmr) = key_rot, value_rot
