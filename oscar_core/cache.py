@@ -602,8 +602,10 @@ def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
         return n >= 4 and n & (n - 1) == 0
     if not pow2(head_dim) or head_dim < 16 or not all(pow2(s.group_size) for s in (lm.key, lm.value)):
         return "the write kernel needs power-of-two head_dim and group sizes"
-    if lm.key.axis == "channel" and lm.key.group_size > 256:
-        return "the write kernel quantizes key blocks of up to 256 tokens"
+    if lm.key.axis == "channel" and not 16 <= lm.key.group_size <= 256:
+        return "the write kernel quantizes key blocks of 16 to 256 tokens"
+    if lm.key.axis == "channel" and head_dim < 32:
+        return "the write kernel quantizes keys per channel at head_dim 32 or more"
     if head_dim > 128:
         # R split in two bf16 [d, d] tiles: 256 KiB of shared memory at d = 256, over the H100's 227 KiB
         return "the write kernel holds R in shared memory up to head_dim 128"

@@ -296,6 +296,11 @@ def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     assert kernel_problem(lm, 2, 256, query_heads=16) is None
     assert "16 query heads per KV head" in kernel_problem(lm, 2, 256, query_heads=40)
     assert "head_dim 128" in write_problem(lm, 256)
+    lm = methods.layer_method("int2", 0, 2, 256, None)
+    channel = methods.LayerMethod(methods.Side(8, "channel"), lm.value)
+    assert "blocks of 16 to 256 tokens" in write_problem(channel, 64)
+    channel = methods.LayerMethod(methods.Side(16, "channel"), lm.value)
+    assert write_problem(channel, 64) is None and "head_dim 32" in write_problem(channel, 16)
     lm = methods.layer_method("int2", 0, 2, 192, None)
     assert "head_dim 64, 128 or 256" in kernel_problem(lm, 2, 192)
 

@@ -222,7 +222,8 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
 def _token_tile(x_ptr, tile, tokens, sx_t, sx_h, h, D: tl.constexpr, BT: tl.constexpr):
     """x [BT, D] of head h, tokens tile·BT + i; those past `tokens` zeros (and not read)."""
     i = tl.arange(0, BT)
-    return tl.load(x_ptr + (tl.cast(tile, tl.int64) * BT * sx_t + h * sx_h) + (i[:, None] * sx_t + tl.arange(0, D)[None, :]),
+    base = tl.cast(tile, tl.int64) * BT * sx_t + h * sx_h
+    return tl.load(x_ptr + base + (i[:, None] * sx_t + tl.arange(0, D)[None, :]),
                    mask=(tile * BT + i < tokens)[:, None], other=0.0)
 
 
@@ -531,7 +532,7 @@ def _byte_order(D: tl.constexpr):
     """The channel that row m of a transposed key block [D, G] holds (_quantize_columns): with
     m = (D/2)·a + 16·w + 8·b + g (g < 8), channel 4·(8w + g) + 2a + b. The four channels of packed byte
     8w + g then lie in rows m, m + 8, m + D/2, m + D/2 + 8, which the tensor cores' accumulator gives to
-    one thread: codes pack without crossing threads."""
+    one thread: codes pack without crossing threads. Needs D ≥ 32 (cache.write_problem)."""
     m = tl.arange(0, D)
     r = m % (D // 2)
     return 4 * (8 * (r // 16) + r % 8) + 2 * (m // (D // 2)) + (r // 8) % 2
