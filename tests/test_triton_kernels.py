@@ -331,6 +331,14 @@ def test_decode_kernel_channel_keys_refuse_before_launch():
         decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, None, 0.125, gluon=True)
 
 
+@pytest.mark.parametrize("regs,shared,expect", [(96, 0, 20), (128, 0, 16), (144, 0, 12), (166, 0, 12),
+                                                 (225, 0, 8), (64, 0, 32), (128, 20 * 1024, 10)])
+def test_resident_warps_count_each_schedulers_registers(regs, shared, expect):
+    """The grid's one-warp programs a multiprocessor: each of the 4 schedulers' 16,384 registers hold whole
+    warps (96 registers: 5 a scheduler, 20, where 65,536 / (32 · 96) would say 21), and shared memory."""
+    assert decode.resident_warps(regs, shared, 228 * 1024) == expect
+
+
 @pytest.mark.parametrize("heads,kv_heads,d,group,axis,per_program,expect", [
     (32, 8, 128, 64, "token", 4, dict(R4=4, HT=1, NGK=2, NGV=2, TB=1, D=128)),
     (32, 8, 128, 128, "token", 4, dict(R4=4, HT=1, NGK=1, NGV=1, TB=1, STAGES=0)),
