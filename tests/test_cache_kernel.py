@@ -288,6 +288,28 @@ def test_prefill_kernel_matches_reference(axis, n, starts, dtype):
             assert (a == b).float().mean() > 0.99 and (a - b).abs().max() <= 1, (side, name)
 
 
+def test_loading_a_tile_ahead_changes_no_byte():
+    """write_int2_prepared and prefill_kv with each tile's load issued a tile early (`ahead`) write exactly what
+    they write without it, on programs that take several tiles (one wave, 16-token tiles)."""
+    gen = torch.Generator().manual_seed(3)
+    layer, on, kr, vr = two_head_layer(gen, 2, 64)
+    x = (torch.randn(150, 2, 64, generator=gen) * 2).bfloat16().to(DEVICE)
+    runs = [write.write_int2_prepared(x, kr, on["key_clip"], 32, block_t=16, waves=1, ahead=a) for a in (False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    k, v = (torch.randn(2, 2, 150, 64, generator=gen).bfloat16().to(DEVICE) for _ in range(2))
+    for axis in ("token", "channel"):
+        stores = []
+        for ahead in (False, True):
+            st = kvstore.empty_cache(2, 2, 64, 150, 16, 32, 4, 8, device=DEVICE, key_axis=axis)
+            kvstore.advance(st, 150, torch.tensor([0, 21], dtype=torch.int32, device=DEVICE))
+            write.prefill_kv(st, k, v, kr, vr, on["key_clip"], on["value_clip"], block_t=16, waves=1, ahead=ahead)
+            stores.append(st)
+        assert min(stores[0].int2_tokens().tolist()) >= 96      # several INT2 tiles a program
+        for name in ("codes", "scale", "zero", "sink", "recent"):
+            for side in ("key", "value"):
+                assert torch.equal(getattr(stores[0], f"{side}_{name}"), getattr(stores[1], f"{side}_{name}")), name
+
+
 def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     from oscar_core import methods
     from oscar_core.cache import kernel_problem, write_problem
