@@ -1,7 +1,16 @@
-"""Shared fixtures: the real default model (loaded once), tiny random models of several architectures."""
+"""Shared fixtures: the real default model (loaded once), tiny random models of several architectures.
+
+Without a GPU the Triton kernels run in triton's interpreter. TRITON_INTERPRET must be set before triton is
+first imported (triton's own library functions are decorated then), so it is set here, before any test module
+imports it: a subset of the suite run in any order sees the same triton as the whole suite."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 TEXT = ["the quick brown fox jumps over the lazy dog, number %d, and then some more words follow" % i
         for i in range(200)]
