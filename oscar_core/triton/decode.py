@@ -690,13 +690,9 @@ def _gluon_options(constexprs: dict) -> dict:
 
 
 def _gluon_programs_per_sm(cache: Int2KVCache, constexprs: dict, device: torch.device) -> int:
-    """One-warp Gluon programs a multiprocessor holds, from the compiled kernel (compiled once per setting,
-    without launching). A warp's registers come from the file of one of the multiprocessor's 4 schedulers,
-    16,384 each, in steps of 8 a thread: 4·⌊16384 / (32·regs)⌋ programs, not ⌊65536 / (32·regs)⌋ (at 96
-    registers 20, not 21: a grid sized for 21 ran its last program of each multiprocessor as a second
-    wave, 0.232 against 0.161 ms at 100K x 8, d 64; kernel_notes.md v13). Shared memory, less the 1 KiB the
-    driver keeps a program, is shared among them. Triton 3.6 compiles the loop to 128 registers a thread (16
-    programs), later ones to more; the grid is sized for whichever runs."""
+    """One-warp Gluon programs a multiprocessor holds (resident_warps), from the compiled kernel (compiled once
+    per setting, without launching). Triton 3.6 compiles the loop to 128 registers a thread (16 programs),
+    later ones to more; the grid is sized for whichever runs."""
     key = (device, tuple(sorted(constexprs.items())))
     if key not in _GLUON_SLOTS:
         qt = torch.empty(1, dtype=torch.bfloat16, device=device)
@@ -712,8 +708,10 @@ def _gluon_programs_per_sm(cache: Int2KVCache, constexprs: dict, device: torch.d
 
 def resident_warps(regs: int, shared: int, smem_per_sm: int) -> int:
     """One-warp programs of `regs` registers a thread and `shared` bytes that a Hopper multiprocessor holds at
-    once (at most 32): 4 schedulers' register files of 16,384, allocated in steps of 8 a thread, and its
-    shared memory less 1 KiB a program (_gluon_programs_per_sm)."""
+    once (at most 32). A warp's registers come from the file of one of its 4 schedulers, 16,384 each, in steps
+    of 8 a thread: 4·⌊16384 / (32·regs)⌋, not ⌊65536 / (32·regs)⌋ (at 96 registers 20, not 21: a grid sized
+    for 21 ran its last program of each multiprocessor as a second wave, 0.232 against 0.161 ms at 100K x 8,
+    d 64; kernel_notes.md v13). Shared memory, less the 1 KiB the driver keeps a program, is shared among them."""
     regs = -(-regs // 8) * 8
     return max(1, min(32, 4 * (16384 // (32 * regs)), smem_per_sm // (shared + 1024)))
 

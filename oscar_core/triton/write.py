@@ -201,7 +201,8 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
     clip = tl.load(clip_ptr + h)
     start = _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN)
     i = tl.arange(0, BLOCK_T)
-    x = _token_tile(x_ptr, pid, tokens, sx_t, sx_h, h, D, BLOCK_T)
+    if AHEAD:
+        x = _token_tile(x_ptr, pid, tokens, sx_t, sx_h, h, D, BLOCK_T)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
         if AHEAD:
             x_next = _token_tile(x_ptr, tile + tl.num_programs(0), tokens, sx_t, sx_h, h, D, BLOCK_T)
@@ -344,7 +345,8 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
     r_lo = tl.load(rlo_ptr + rot)
     # INT2 tiles: positions S + k·BT + i below int2_end (the last tile may end in the ring: masked). With
     # AHEAD the next tile's load is issued before this tile's work (its registers in flight meanwhile).
-    x = _int2_tile(xb, tl.program_id(0), S, first, int2_end, sx_t, D, BT)
+    if AHEAD:
+        x = _int2_tile(xb, tl.program_id(0), S, first, int2_end, sx_t, D, BT)
     for k in range(tl.program_id(0), (n_int2 + BT - 1) // BT, tl.num_programs(0)):
         in_int2 = S + k * BT + i < int2_end
         if AHEAD:
