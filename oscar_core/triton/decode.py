@@ -751,8 +751,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
     Launch settings left as None come from default_config (key_t: the score tile's orientation).
     gluon: the INT2 programs in Gluon (decode_gluon.py, one launch of their own beside the window programs);
-    None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs, 16K INT2 rows or 8
-    query heads per KV head;
+    None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs, from 4K INT2 rows,
+    or for more than 4 query heads per KV head;
     True to require them (ValueError where they cannot).
     Every sequence needs at least one token. The cache tensors must be contiguous.
     A store with keys per channel (cache.key_axis "channel") is read in tiles of at most its key block
@@ -912,13 +912,11 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         max_length = cache.key_codes.shape[2] + cache.sink_tokens + cache.recent_tokens
     max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
     if gluon is None:
-        # Up to 16 (sequence, KV head) pairs the Triton programs' one launch fewer wins at 8K tokens, the Gluon
-        # programs at 32K (kernel.md, batch 1: 0.025 against 0.033 ms, 0.044 against 0.039).
-        # From 9 query heads per KV head on, the Gluon programs at every length (the Triton programs' value
-        # accumulators spill: 0.39 against 0.07 ms at 16K x 8, 32/2 heads, shapes.md); from 5 at 16 pairs
-        # (16K x 8 of 14/2 heads, d 64: 0.031 against 0.076 ms).
-        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 16384 or hg > 8
-                                                              or (hg > 4 and bsz * kv_heads == 16))
+        # The Gluon programs wherever they serve, but for short contexts at small batch and few heads, where
+        # the Triton programs' one launch fewer may pay: from 8K tokens at batch 1 the Gluon programs win
+        # (H100, graph, 8K x 1: Qwen3-8B 0.023 against 0.025 ms, keys per channel 0.024 against 0.032,
+        # Llama-3.2-1B's d 64 0.025 both; GQA 16 0.033 against 0.065; kernel_notes.md v14).
+        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 4096 or hg > 4)
     elif gluon and (fused or not gluon_supported(q, cache)):
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64 or 128, groups of 64 or "
                          "128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")

@@ -27,8 +27,9 @@ So no byte moves between threads and nothing goes through shared memory on the w
 Unpack: u = 128 + 4^ρ(i)·code, ρ = (0, 1, 2, 0, 1, 2, 0, 1) (the 2-bit field masked in place and ored
 into the mantissa of 128.0; shifts by 6 and 12 bring fields 3-5 and 6-7 down), exact in bf16. The
 factors 4^-ρ go to the query (keys) and to the output rows (values); the 128 is removed per tile for
-the keys (the score accumulator starts at −128·Σ_κ q̂_κ) and once at the end for the values
-(−128·Σ_n w_n, with the zero term Σ_n w_n z_n/4 over the same bf16 weights w = p·step).
+the keys (keys per token: the score accumulator starts at −128·Σ_κ q̂_κ; keys per channel: a product of
+_zero_rows) and once at the end for the values (−128·Σ_n w_n, with the zero term Σ_n w_n z_n/4 over the
+same bf16 weights w = p·step).
 """
 
 from triton.experimental import gluon
@@ -224,16 +225,23 @@ def _block_codes(w, QL: gl.constexpr, D: gl.constexpr, SIGNED: gl.constexpr):
 
 
 @gluon.jit
-def _channel_query(q, rho, sc, z, log2_scale):
-    """Keys per channel: one product's query operand for a key block, q̂_κ = bf16(q_κ·step_c) from the
-    loop's operand q_κ = q̃_c·4^-ρ (exact in bf16) and the block's step_c (score scale folded in), and its
-    share of the score offset per column, Σ_κ q̂_κ·(4^ρ·z_c/4 − 128): the zero term, less the 128 the
-    unpack leaves in every code. sc, z: the block's scale and zero code bytes in κ order as floats 2^23 + b
-    (_block_codes; z signed, plus 128)."""
-    st = gl.exp2((sc - 8388608.0) * 0.125 + (log2_scale - 16.0))[:, None]
-    q = (q.to(gl.float32) * st).to(gl.bfloat16)
-    z = (z - 8388736.0)[:, None] * 0.25 / rho - 128.0
-    return q, gl.sum(q.to(gl.float32) * z, axis=0)
+def _channel_query(q, sc, log2_scale):
+    """Keys per channel: one product's query operand for a key block, q̂_κ = bf16(q_κ·step_c), from the loop's
+    operand q_κ = q̃_c·4^-ρ (exact in bf16) and the block's step_c = 2^(b_c/8 − 16 + λ) (the score scale
+    2^λ folded in, λ = log2_scale, so q̂ rounds as in decode._channel_scores). sc: the block's scale codes b_c
+    as floats 2^23 + b_c (_block_codes)."""
+    return (q.to(gl.float32) * gl.exp2((sc - 8388608.0) * 0.125 + (log2_scale - 16.0))[:, None]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _zero_rows(z, quarter_rho, AL: gl.constexpr):
+    """Keys per channel: an mma A operand [16, 64] whose product with q̂ (B) gives the block's score offset:
+    rows 0-7 hold 4^ρ·z_c/4 (z the block's zero code, an integer of 8 bits times a power of 2: exact in
+    bf16), rows 8-15 hold −128 (the 128 the unpack leaves in every code). z: the zero code bytes as floats
+    2^23 + 128 + z (_block_codes, signed); quarter_rho: 4^ρ/4 in the same κ order."""
+    zc = gl.convert_layout(z * quarter_rho - 8388736.0 * quarter_rho, gl.SliceLayout(0, AL), assert_trivial=True)
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, AL))
+    return gl.where((rows < 8)[:, None], zc[None, :], -128.0).to(gl.bfloat16)
 
 
 @gluon.jit
@@ -300,6 +308,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     else:
         qsel = qmask & ((ch0 // 64)[:, None] == (qc % 2)[None, :])
     rho = _rho_scale(qk)[:, None]
+    if TB > 1:
+        quarter_rho = 0.25 / _rho_scale(qk)
     qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
     if D == 128:
         qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + (64 if GS else 16), mask=qmask, other=0.0).to(gl.float32),
@@ -438,15 +448,19 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             blk = (gl.minimum(t0 + BLOCK_N, T - BLOCK_N) // TB) * D
             sc_next = _load_block(ksc + blk, D)
             z_next = _load_block(kz + blk, D)
-            qc0, off = _channel_query(q0, rho, sc0, z0, log2_scale)
+            # The score offset Σ_κ q̂_κ·(4^ρ·z_c/4 − 128) by the tensor cores: rows 0-7 of the [16, 8] product
+            # hold the zero term, rows 8-15 −128·Σ_κ q̂_κ, so the sum over its rows is 8 times the offset
+            # (equal values double exactly). Added after the key products, which then do not wait on it
+            # (as their starting accumulator it cost 8%: kernel_notes.md v14).
+            qc0 = _channel_query(q0, sc0, log2_scale)
+            off = mma_v2(_zero_rows(z0, quarter_rho, a_op), qc0, gl.zeros([16, NC], gl.float32, mma))
             if D == 128:
-                qc1, off1 = _channel_query(q1, rho, sc1, z1, log2_scale)
-                off += off1
-            s = gl.zeros([BLOCK_N, NC], gl.float32, mma) + gl.convert_layout(off, gl.SliceLayout(0, mma))[None, :]
-            s = mma_v2(a0, qc0, s)
+                qc1 = _channel_query(q1, sc1, log2_scale)
+                off = mma_v2(_zero_rows(z1, quarter_rho, a_op), qc1, off)
+            s = mma_v2(a0, qc0, gl.zeros([BLOCK_N, NC], gl.float32, mma))
             if D == 128:
                 s = mma_v2(a1, qc1, s)
-            x = _heads(s, R4)
+            x = _heads(s + (0.125 * gl.sum(off, axis=0))[None, :], R4)
         else:
             s = mma_v2(a0, q0, s_init)
             if D == 128:
