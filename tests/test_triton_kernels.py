@@ -322,6 +322,23 @@ def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths
             assert err(gluon=True, heads_per_program=per_program) < bound, (mean is None, per_program)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon programs need a GPU")
+@pytest.mark.parametrize("context,batch,heads,axis,expect", [
+    (2048, 1, 32, "token", False),      # 1,728 INT2 rows, 8 pairs, 4 heads a KV head: the Triton programs
+    (8192, 1, 32, "token", True),       # 7,872 INT2 rows
+    (8192, 1, 32, "channel", True),
+    (2048, 1, 64, "token", True),       # 8 heads a KV head
+    (2048, 4, 32, "token", True),       # 32 pairs
+])
+def test_gluon_programs_are_the_default_from_4k_int2_rows(context, batch, heads, axis, expect):
+    """The default program choice: Gluon from 4K INT2 rows, above 16 (sequence, KV head) pairs or above 4 query
+    heads per KV head; the Triton programs' one launch fewer only for short contexts at small batch (H100,
+    kernel_notes.md v14: at 8K x 1 the Gluon programs win or tie on every shape measured)."""
+    cache = kvstore.empty_cache(batch, 8, 128, context, device="cuda", key_axis=axis)
+    q = torch.zeros(batch, heads, 128, dtype=torch.bfloat16, device="cuda")
+    assert decode.launch_plan(q, cache, max_length=context).gluon is expect
+
+
 def test_decode_kernel_channel_keys_refuse_before_launch():
     gen = torch.Generator().manual_seed(5)
     cache, layer, q = build_channel(gen, [100], 4, 1, 64, 64, 64)
