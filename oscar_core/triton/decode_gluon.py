@@ -451,7 +451,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             # The score offset Σ_κ q̂_κ·(4^ρ·z_c/4 − 128) by the tensor cores: rows 0-7 of the [16, 8] product
             # hold the zero term, rows 8-15 −128·Σ_κ q̂_κ, so the sum over its rows is 8 times the offset
             # (equal values double exactly). Added after the key products, which then do not wait on it
-            # (as their starting accumulator it cost 8%: kernel_notes.md v14).
+            # (as their starting accumulator it cost 8-9%: kernel_notes.md v14).
             qc0 = _channel_query(q0, sc0, log2_scale)
             off = mma_v2(_zero_rows(z0, quarter_rho, a_op), qc0, gl.zeros([16, NC], gl.float32, mma))
             if D == 128:
