@@ -386,7 +386,11 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     o_zero = gl.zeros([64, NP], gl.float32, mma)
     o0 = o_zero
     o1 = o_zero
-    if TB > 1:
+    # Keys per channel: the block's scale and zero codes are loaded a tile ahead (loop-carried words) where the
+    # registers allow: ahead, 8 heads at head_dim 128 take 225 registers (8 programs a multiprocessor), with
+    # the tile 168 (12), 4-6% faster; 4 heads and head_dim 64 run faster ahead (H100, kernel_notes.md v14).
+    CODES_AHEAD: gl.constexpr = R4 == 4 or D == 64
+    if TB > 1 and CODES_AHEAD:
         sc_next = _load_block(ksc + (start // TB) * D, D)
         z_next = _load_block(kz + (start // TB) * D, D)
     if STAGES > 0:
@@ -442,12 +446,16 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             a1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k1, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
                                               [BLOCK_N, 64]), a_op, assert_trivial=True)
         if TB > 1:
+            if not CODES_AHEAD:
+                sc_next = _load_block(ksc + (t0 // TB) * D, D)
+                z_next = _load_block(kz + (t0 // TB) * D, D)
             sc0, sc1 = _block_codes(sc_next, gl.SliceLayout(1, b_op), D, False)
             z0, z1 = _block_codes(z_next, gl.SliceLayout(1, b_op), D, True)
-            # The next tile's block codes, loaded a tile ahead (the last tile reloads a block in the store).
-            blk = (gl.minimum(t0 + BLOCK_N, T - BLOCK_N) // TB) * D
-            sc_next = _load_block(ksc + blk, D)
-            z_next = _load_block(kz + blk, D)
+            if CODES_AHEAD:
+                # The next tile's block codes (the last tile reloads a block in the store).
+                blk = (gl.minimum(t0 + BLOCK_N, T - BLOCK_N) // TB) * D
+                sc_next = _load_block(ksc + blk, D)
+                z_next = _load_block(kz + blk, D)
             # The score offset Σ_κ q̂_κ·(4^ρ·z_c/4 − 128) by the tensor cores: rows 0-7 of the [16, 8] product
             # hold the zero term, rows 8-15 −128·Σ_κ q̂_κ, so the sum over its rows is 8 times the offset
             # (equal values double exactly). Added after the key products, which then do not wait on it
