@@ -207,19 +207,22 @@ def save(out: str, checks, rows, bandwidth) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/shapes.md")
-    ap.add_argument("--only", help="shape labels containing this text")
+    ap.add_argument("--only", help="shape labels containing any of these texts (separated by ;)")
+    ap.add_argument("--sizes", default=",".join(f"{c}x{b}" for c, b in SIZES),
+                    help="context x batch points, comma separated")
     ap.add_argument("--no-time", action="store_true", help="errors only")
     args = ap.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth()
-    shapes = [s for s in SHAPES if not args.only or args.only in s[0]]
+    shapes = [s for s in SHAPES if not args.only or any(part in s[0] for part in args.only.split(";"))]
+    sizes = [tuple(int(v) for v in point.split("x")) for point in args.sizes.split(",")]
     checks, rows = {}, []
     for shape in shapes:
         checks[shape[0]] = check(shape, gen)
         print(f"check {shape[0]}: {checks[shape[0]]}", flush=True)
         save(args.out, checks, rows, bandwidth)
     for shape in [] if args.no_time else shapes:
-        for context, bsz in SIZES:
+        for context, bsz in sizes:
             try:
                 row = time_size(shape, context, bsz, bandwidth, gen)
             except Exception as e:
