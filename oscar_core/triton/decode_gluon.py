@@ -307,9 +307,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         qsel = qmask & (qc % CW == 0)[None, :] & (ch0 >= 0)[:, None]
     else:
         qsel = qmask & ((ch0 // 64)[:, None] == (qc % 2)[None, :])
-    rho = _rho_scale(qk)[:, None]
+    rho_k = _rho_scale(qk)
+    rho = rho_k[:, None]
     if TB > 1:
-        quarter_rho = 0.25 / _rho_scale(qk)
+        quarter_rho = 0.25 / rho_k
     qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
     if D == 128:
         qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + (64 if GS else 16), mask=qmask, other=0.0).to(gl.float32),
