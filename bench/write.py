@@ -60,7 +60,7 @@ def prefill_arms(lay, axis: str, g: int):
                                                                      evict=False)
     settings = [(waves, 1, regs, ahead) for waves in (2, 4, 8) for regs in (None, 168) for ahead in (False, True)]
     settings.append((4, 2, None, False))
-    for bt in ((64, 128) if axis == "token" else (g,)):
+    for bt in ((64, 128) if axis == "token" or g == 128 else (g,)):      # blocks of 128 in tiles of 64 or one tile
         for waves, stages, regs, ahead in settings:
             cap = f" registers {regs}" if regs else ""
             arms[f"prefill_kv bt {bt} waves {waves} stages {stages}{cap} ahead {int(ahead)}"] = (
@@ -103,11 +103,12 @@ def bench_side(gen, bandwidth: float) -> list[dict]:
     split = write.prepare_rotation(lay.key_rotation, lay.key_mean)
     arms = {"write_int2 (splits R each call)": lambda xx, **kw: write.write_int2(xx, lay.key_rotation, lay.key_clip,
                                                                                   64, lay.key_mean)}
-    settings = [(bt, waves, 1, regs, ahead) for bt in (64, 128) for waves in (2, 4) for regs in (128, 168)
+    settings = [(bt, waves, 1, regs, ahead) for bt in (64, 128) for waves in (2, 4) for regs in (None, 128, 168)
                 for ahead in (False, True)]
     settings += [(128, 2, stages, 128, False) for stages in (2, 3)]
     for bt, waves, stages, regs, ahead in settings:
-        arms[f"write_int2_prepared bt {bt} waves {waves} stages {stages} registers {regs} ahead {int(ahead)}"] = (
+        cap = f" registers {regs}" if regs else ""
+        arms[f"write_int2_prepared bt {bt} waves {waves} stages {stages}{cap} ahead {int(ahead)}"] = (
             lambda xx, bt=bt, waves=waves, stages=stages, regs=regs, ahead=ahead: write.write_int2_prepared(
                 xx, split, lay.key_clip, 64, block_t=bt, waves=waves, num_stages=stages, registers=regs,
                 ahead=ahead))

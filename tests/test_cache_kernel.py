@@ -310,6 +310,35 @@ def test_loading_a_tile_ahead_changes_no_byte():
                 assert torch.equal(getattr(stores[0], f"{side}_{name}"), getattr(stores[1], f"{side}_{name}")), name
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_key_blocks_in_two_tiles_write_what_one_tile_writes(ahead):
+    """Keys per channel in blocks longer than the tile (blocks of 32, tiles of 16: prefill_kv's blocks of 128 in
+    64-token tiles) write the same bytes as one tile a block, and kvstore.append's codes; left pads, several
+    blocks a program."""
+    gen = torch.Generator().manual_seed(32)
+    bsz, heads, d, s, w, g, gv, n = 3, 2, 64, 4, 8, 32, 32, 140
+    layer, on, kr, vr = two_head_layer(gen, heads, d)
+    k = (torch.randn(bsz, heads, n, d, generator=gen) * torch.linspace(0.3, 3, d)).bfloat16()
+    v = torch.randn(bsz, heads, n, d, generator=gen).bfloat16()
+    pads = torch.tensor([0, 5, 40], dtype=torch.int32)
+    ref = kvstore.empty_cache(bsz, heads, d, 160, g, gv, s, w, key_axis="channel")
+    kvstore.advance(ref, n, pads)
+    kvstore.append(ref, k, v, layer, pads)
+    stores = []
+    for block_t in (32, 16):
+        st = kvstore.empty_cache(bsz, heads, d, 160, g, gv, s, w, device=DEVICE, key_axis="channel")
+        kvstore.advance(st, n, pads.to(DEVICE))
+        write.prefill_kv(st, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"], block_t=block_t,
+                         waves=1, ahead=ahead)
+        stores.append(st)
+    assert min(stores[0].int2_tokens().tolist()) >= 64      # several key blocks a program
+    for name in ("codes", "scale", "zero", "sink", "recent"):
+        for side in ("key", "value"):
+            assert torch.equal(getattr(stores[0], f"{side}_{name}"), getattr(stores[1], f"{side}_{name}")), (side, name)
+    codes = [quant.unpack_int2(c.key_codes).cpu().int() for c in (stores[1], ref)]
+    assert (codes[0] == codes[1]).float().mean() > 0.99
+
+
 def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     from oscar_core import methods
     from oscar_core.cache import kernel_problem, write_problem

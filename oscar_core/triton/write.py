@@ -12,8 +12,9 @@ zero code, the widening of far-off-centre groups), with products by reciprocals 
 ulp: codes agree on 99.997% of entries, bench/results/write.md); channel 4j + i goes to bits 2i of byte j.
 
 Prefill (prefill_kv), an empty store: program p of (sequence, KV head, side) quantizes INT2 tiles p, p + P, ...
-of positions S + kBT .. (keys per channel: one key block a tile, quantized down its columns), then writes
-its sink and ring tiles in BF16. A key block is rotated transposed, Rᵀ·xᵀ [d, G], its rows (channels) in
+of positions S + kBT .. (keys per channel: one key block of TB tokens a step, quantized down its columns,
+in tiles of 64: a block of 128 is two tiles, its channels' ranges taken over both), then writes its sink and
+ring tiles in BF16. A key block is rotated transposed, Rᵀ·xᵀ [d, G], its rows (channels) in
 _byte_order: a channel's range is then a reduction inside a thread and its quad, and the four channels of a
 byte sit in one thread, where rows would spread each channel over the whole program (4,228 instructions a
 64-token tile on sm_90 before, 868 now; bench/results/write.md).
@@ -345,27 +346,50 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
     r_lo = tl.load(rlo_ptr + rot)
     # INT2 tiles: positions S + k·BT + i below int2_end (the last tile may end in the ring: masked). With
     # AHEAD the next tile's load is issued before this tile's work (its registers in flight meanwhile).
-    if AHEAD:
-        x = _int2_tile(xb, tl.program_id(0), S, first, int2_end, sx_t, D, BT)
-    for k in range(tl.program_id(0), (n_int2 + BT - 1) // BT, tl.num_programs(0)):
-        in_int2 = S + k * BT + i < int2_end
+    if COLUMNS:
+        # Key blocks of TB = HALVES·BT tokens, BT at a time: a channel's range over the block's tiles, then each
+        # tile quantized with it (HALVES = 2: the tiles' rotations both held).
+        HALVES: tl.constexpr = TB // BT
         if AHEAD:
-            x_next = _int2_tile(xb, k + tl.num_programs(0), S, first, int2_end, sx_t, D, BT)
-        else:
-            x = _int2_tile(xb, k, S, first, int2_end, sx_t, D, BT)
-        y = _rotate(x, r_hi, r_lo, start, F32, COLUMNS)
-        row0 = bh * T + k * BT
-        if COLUMNS:
-            # A whole key block (BT = TB = G): quantized down its columns.
-            packed, code, zero = _quantize_columns(y, clip, BT, D, F32)
-            tl.store(codes_ptr + row0 * (D // 4) + (i[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None]), packed)
-            tl.store(scale_ptr + (bh * (T // BT) + k) * D + order, code)
-            tl.store(zero_ptr + (bh * (T // BT) + k) * D + order, zero)
-        else:
+            x = _int2_tile(xb, HALVES * tl.program_id(0), S, first, int2_end, sx_t, D, BT)
+        for kb in range(tl.program_id(0), n_int2 // TB, tl.num_programs(0)):
+            if AHEAD:
+                x_next = _int2_tile(xb, HALVES * (kb + tl.num_programs(0)), S, first, int2_end, sx_t, D, BT)
+            else:
+                x = _int2_tile(xb, HALVES * kb, S, first, int2_end, sx_t, D, BT)
+            y = _rotate(x, r_hi, r_lo, start, F32, True)
+            lo = tl.min(y, axis=1)
+            hi = tl.max(y, axis=1)
+            if HALVES == 2:
+                x1 = _int2_tile(xb, 2 * kb + 1, S, first, int2_end, sx_t, D, BT)
+                y1 = _rotate(x1, r_hi, r_lo, start, F32, True)
+                lo = tl.minimum(lo, tl.min(y1, axis=1))
+                hi = tl.maximum(hi, tl.max(y1, axis=1))
+            code, inv, zero = _group_params(lo, hi, clip, F32)
+            row0 = bh * T + kb * TB
+            cp = codes_ptr + row0 * (D // 4) + (i[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None])
+            tl.store(cp, _pack_columns(y, inv, zero, BT, D, F32))
+            if HALVES == 2:
+                tl.store(cp + BT * (D // 4), _pack_columns(y1, inv, zero, BT, D, F32))
+            tl.store(scale_ptr + (bh * (T // TB) + kb) * D + order, code.to(tl.uint8))
+            tl.store(zero_ptr + (bh * (T // TB) + kb) * D + order, zero.to(tl.int8))
+            if AHEAD:
+                x = x_next
+    else:
+        if AHEAD:
+            x = _int2_tile(xb, tl.program_id(0), S, first, int2_end, sx_t, D, BT)
+        for k in range(tl.program_id(0), (n_int2 + BT - 1) // BT, tl.num_programs(0)):
+            in_int2 = S + k * BT + i < int2_end
+            if AHEAD:
+                x_next = _int2_tile(xb, k + tl.num_programs(0), S, first, int2_end, sx_t, D, BT)
+            else:
+                x = _int2_tile(xb, k, S, first, int2_end, sx_t, D, BT)
+            y = _rotate(x, r_hi, r_lo, start, F32)
+            row0 = bh * T + k * BT
             _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG, i * (D // 4),
                         i * NG, y, clip, in_int2, BT, D, G, F32)
-        if AHEAD:
-            x = x_next
+            if AHEAD:
+                x = x_next
     # The BF16 tiles in channel order.
     rot = h * D * D + c[:, None] * D + c[None, :]
     r_hi = tl.load(rhi_ptr + rot)
@@ -433,14 +457,14 @@ def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, grou
 
 
 def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: int = 64, out=None,
-                        block_t: int = 128, waves: int = 2, num_stages: int = 1, ahead: bool = False,
-                        registers: int | None = 128):
+                        block_t: int = 64, waves: int = 4, num_stages: int = 1, ahead: bool = True,
+                        registers: int | None = None):
     """write_int2 with the rotation already split: split = prepare_rotation(rotation, mean). Tiles of block_t
     tokens of one head a program, `waves` programs a multiprocessor, num_stages tiles of x in flight, `ahead`:
-    each tile's load issued a tile early, `registers`: the cap a thread (None: ptxas's choice). The defaults were
-    the fastest of bench/write.py's sweep: 8-warp programs of 128 tokens held to 128 registers a thread, so
-    that two share a multiprocessor and hide each other's loads (better than staging them or loading ahead,
-    which needs more registers)."""
+    each tile's load issued a tile early, `registers`: the cap a thread (None: ptxas's choice). The defaults are
+    the fastest of bench/write.py's sweep on the H100: 4-warp programs of 64 tokens loading a tile ahead at
+    ptxas's registers, four a multiprocessor (1.65 TB/s, against 1.49 for 8-warp ones of 128 tokens held to
+    128 registers)."""
     tokens, heads, d = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
@@ -502,17 +526,19 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     """Triton kvstore.append into an empty store (a prefill), keys per token or per channel: keys/values
     [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
     L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
-    for K and V, tiles of block_t positions (keys per channel: one key block, G tokens), placed as
+    for K and V, tiles of block_t positions (keys per channel: a key block a step, in tiles of half a block
+when it is longer than block_t), placed as
     kvstore.append would place them: INT2 tiles quantized (a key block's columns together), then the sink's
     and the ring's tiles in BF16, each in a loop of its own whose bounds come from the lengths on the device
     (branches inside one loop made triton 3.6's pipeliner fail). key_rot / value_rot: prepare_rotation's
     triples; clips float32 [H_kv]. registers: the cap on registers a thread (None: ptxas's choice); ahead: each
     INT2 tile's load issued a tile early, while the tile before it is quantized. Defaults (0 and None): the
-    fastest of bench/write.py's sweep for the tile, 4-warp programs of 64 tokens loading ahead at ptxas's
-    registers, 8-warp ones (keys per channel in blocks of 128) held to 128 registers, not ahead."""
+    fastest of bench/write.py's sweep on the H100, 4-warp programs of 64 tokens loading ahead at ptxas's
+    registers; keys per channel in blocks of 128 run as two such tiles a block (1.73 TB/s, against 1.16 for
+    8-warp programs of one whole block held to 128 registers); 8-warp tiles (block_t 128) are held to 128."""
     bsz, heads, n, d = keys.shape
     s, tb = cache.sink_tokens, cache.token_block
-    bt = tb if tb > 1 else block_t
+    bt = max(min(tb, block_t), tb // 2) if tb > 1 else block_t
     registers = (128 if bt > 64 else None) if registers == 0 else registers
     ahead = bt <= 64 if ahead is None else ahead
     n_tiles = triton.cdiv(s, bt) + triton.cdiv(max(n - s, 0), bt)
@@ -547,10 +573,17 @@ def _quantize_columns(yt, clip, BT: tl.constexpr, D: tl.constexpr, F32: tl.const
     [j, t]; scale codes uint8 [D] and zero codes int8 [D], row m's at m). Rows are channels so that a
     channel's range is a reduction inside a thread and its quarter of threads, not across the block."""
     code, inv, zero = _group_params(tl.min(yt, axis=1), tl.max(yt, axis=1), clip, F32)
+    return _pack_columns(yt, inv, zero, BT, D, F32), code.to(tl.uint8), zero.to(tl.int8)
+
+
+@triton.jit
+def _pack_columns(yt, inv, zero, BT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
+    """The codes of yt [D, BT] (rows in _byte_order) for its rows' 1/step and zero codes, packed along the
+    channels: bytes uint8 [D/4, BT], byte j of token t at [j, t]."""
     q = tl.reshape(_codes(yt, inv[:, None], -(zero * 0.25)[:, None], F32), [2, D // 32, 2, 8, BT])
     shift = tl.arange(0, 2)[:, None, None, None, None] * 4 + tl.arange(0, 2)[None, None, :, None, None] * 2
     packed = tl.sum(tl.sum(q << shift, axis=2), axis=0)
-    return tl.reshape(packed, [D // 4, BT]).to(tl.uint8), code.to(tl.uint8), zero.to(tl.int8)
+    return tl.reshape(packed, [D // 4, BT]).to(tl.uint8)
 
 
 @triton.jit
