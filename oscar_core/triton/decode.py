@@ -658,7 +658,9 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     a KV head's HG heads. heads_per_program None: 8 from 5 heads a KV head, else 4. A program of 8 heads has
     a score column a head (keys per token: a score tile a key group), so it costs about what one of 4 does
     (H100, 100K x 8, kernel_notes.md v12: GQA 8 0.29 against 0.43 ms keys per token, 0.34 against 0.50 keys
-    per channel; GQA 16 0.15 against 0.22)."""
+    per channel; GQA 16 0.15 against 0.22). 16 heads a program (two score columns of the mma, 255 registers
+    with spills) is an option, not the rule: from 9 heads a KV head it was 4-14% faster with keys per token at
+    100K x 8 and 10-40% slower with keys per channel and at 16K (kernel_notes.md v15)."""
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
     if heads_per_program is None:
@@ -757,7 +759,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     Every sequence needs at least one token. The cache tensors must be contiguous.
     A store with keys per channel (cache.key_axis "channel") is read in tiles of at most its key block
     (block_n ≤ G), its scales folded into the query per tile. heads_per_program: query heads a Gluon
-    program takes (4 or 8; a KV head's HG heads are split among cdiv(HG, it) programs; None: gluon_constexprs'
+    program takes (4, 8 or 16; a KV head's HG heads are split among cdiv(HG, it) programs; None: gluon_constexprs'
     rule).
     Raises ValueError (before any launch) for a shape it does not support (check_shape).
     graph: replay a CUDA graph of this call kept on the store (_replayed); None: on CUDA when no capture is

@@ -1,8 +1,8 @@
 """INT2 split programs of decode attention in Gluon: the packed bytes loaded straight into mma operands.
 
 One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 64 or
-128, groups of 64 or 128 channels, keys per token or per channel over blocks of 64 or 128 tokens, R4 = 4 or 8
-query heads a program (up to 16 per KV head, over several programs). It replaces the INT2 programs of
+128, groups of 64 or 128 channels, keys per token or per channel over blocks of 64 or 128 tokens, R4 = 4, 8 or
+16 query heads a program (up to 16 per KV head, over one or several programs). It replaces the INT2 programs of
 decode._split_kernel (same partial outputs po, pm, pl, merged by decode._reduce_kernel).
 
 The store's layout already is the operands' layout. quant.pack_int2 puts channel 4j + i of a token in
@@ -259,12 +259,12 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     the block's step and zero folded into the query operands each tile (_channel_query). T must be a
     multiple of BLOCK_N and of TB. D: 64 or 128; the ring (STAGES > 0) only at D 128, TB 1, NGK = NGV = 2,
     R4 = 4 (decode.gluon_constexprs keeps to these)."""
-    # Score columns, 8 (the mma's n): one a head, padded, and with keys per token at 4 heads a program one a
-    # (head, key group). With keys per token at 8 heads (GS) each product reads one group's words, t and 4 + t
-    # of a row, into a score tile of its own, so the columns stay one a head.
-    NC: gl.constexpr = 8
+    # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
+    # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
+    # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
+    NC: gl.constexpr = 16 if R4 == 16 else 8
     CW: gl.constexpr = NC // R4                 # columns a head
-    GS: gl.constexpr = TB == 1 and R4 == 8
+    GS: gl.constexpr = TB == 1 and R4 >= 8
     NP: gl.constexpr = 8 if R4 < 8 else R4      # value product columns (heads, padded to the mma's n = 8)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
