@@ -51,7 +51,7 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=4, R4=4, STAGES=2, NGK=2, NGV=2, TB=1),
     dict(HG=4, R4=4, STAGES=3, NGK=2, NGV=2, TB=1),
     dict(HG=16, R4=4, HT=4, STAGES=0, NGK=2, NGV=2, TB=1),
-    dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=1, TB=1),
+    dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=1, TB=1, stack=24),    # held to 128 registers: measured faster
     dict(HG=4, R4=4, STAGES=0, NGK=2, NGV=2, TB=64),
     dict(HG=7, R4=4, HT=2, STAGES=0, NGK=2, NGV=1, TB=128),
     dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=1, TB=1, D=64),
@@ -61,14 +61,18 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=8, R4=8, STAGES=0, NGK=2, NGV=2, TB=1),
     dict(HG=5, R4=8, STAGES=0, NGK=1, NGV=2, TB=1),
     dict(HG=7, R4=8, STAGES=0, NGK=1, NGV=1, TB=1, D=64),
-    dict(HG=12, R4=16, STAGES=0, NGK=2, NGV=2, TB=1),           # 16 heads a program: the option, spills at d 128
-    dict(HG=16, R4=16, STAGES=0, NGK=1, NGV=2, TB=64),
+    dict(HG=12, R4=16, STAGES=0, NGK=2, NGV=2, TB=1, stack=160),  # 16 heads a program (the option) spill at d 128
+    dict(HG=16, R4=16, STAGES=0, NGK=1, NGV=2, TB=64, stack=160),
     dict(HG=16, R4=16, STAGES=0, NGK=1, NGV=1, TB=1, D=64),
 ]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_gluon_int2_programs_compile_for_sm90(tmp_path, shape):
+    """Every program compiles for sm_90 with no spills (stack: the bytes a setting measured faster with), its
+    products on the tensor cores and shared memory only for the ring."""
+    shape = dict(shape)
+    stack = shape.pop("stack", 0)
     cubin = tmp_path / "k.cubin"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(shape), str(cubin)], env=env,
@@ -76,8 +80,7 @@ def test_gluon_int2_programs_compile_for_sm90(tmp_path, shape):
     assert run.returncode == 0, run.stderr[-3000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])["shared"]
     usage = subprocess.run([BIN / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
-    if shape["R4"] < 16 or shape.get("D") == 64:     # 16 heads at d 128 hold 255 registers and spill some
-        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= stack, usage
     # Shared memory holds only the ring of copied tiles; the products take their operands from registers.
     assert shared == shape["STAGES"] * 4608
     sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout

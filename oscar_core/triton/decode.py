@@ -683,10 +683,14 @@ _GLUON_SLOTS: dict = {}
 
 
 def _gluon_options(constexprs: dict) -> dict:
-    """The Gluon programs' compile options: one warp; at head_dim 64 with keys per channel, 128 registers a
-    thread (ptxas picks up to 168 there; held to 128 they run 10-25% faster with no spills: H100, 100K x 8,
-    kernel_notes.md v12)."""
-    if constexprs["D"] == 64 and constexprs["TB"] > 1:
+    """The Gluon programs' compile options: one warp; 128 registers a thread at head_dim 64 with keys per
+    channel (ptxas picks up to 168 there; held to 128 they run 10-25% faster with no spills: H100, 100K x 8,
+    kernel_notes.md v12) and for 4 heads a program with keys per token at head_dim 128 (168 since the block
+    codes are floats by prmt, 12 programs a multiprocessor: 5% slower than 16 at 128, which spill nothing;
+    kernel_notes.md v15; with groups of 128 it spills 24 bytes and still runs 5% faster). Not with the ring
+    (STAGES > 0), which spills more there."""
+    c = constexprs
+    if (c["D"] == 64 and c["TB"] > 1) or (c["D"] == 128 and c["TB"] == 1 and c["R4"] == 4 and c["STAGES"] == 0):
         return dict(num_warps=1, maxnreg=128)
     return dict(num_warps=1)
 

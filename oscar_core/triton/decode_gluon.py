@@ -78,28 +78,40 @@ def _pair(lo, hi):
 
 
 @gluon.jit
-def _load_meta(ptr, t0, ML: gl.constexpr, NG: gl.constexpr):
-    """Scale or zero codes (uint8 / int8 [T, NG]) of tokens t0 .. t0 + 63 as [8, 16]: row g, byte j holds
-    token t0 + 8g + j div 2, group j mod 2 (with NG = 1, groups of 128 channels, both halves of the head
-    read the token's one code). NG = 2: one 16-byte load of 8 consecutive tokens per thread."""
-    g = gl.arange(0, 8, layout=gl.SliceLayout(1, ML))
-    j = gl.arange(0, 16, layout=gl.SliceLayout(0, ML))
-    if NG == 2:
-        return gl.load(ptr + 2 * gl.multiple_of(t0, 64) + (16 * g)[:, None] + j[None, :])
-    return gl.load(ptr + gl.multiple_of(t0, 64) + (8 * g)[:, None] + (j // 2)[None, :])
+def _load_meta(ptr, t0, NG: gl.constexpr):
+    """Scale or zero codes (bytes [T, NG]) of tokens t0 .. t0 + 63 as int32 words [8, 2·NG]: row g holds the
+    bytes of tokens 8g .. 8g + 7 (NG = 2: token-major, both groups; NG = 1, groups of 128 channels: one byte a
+    token), one 16-byte (8-byte) load a thread."""
+    MW: gl.constexpr = gl.BlockedLayout([1, 2 * NG], [8, 4], [1, 1], [1, 0])
+    g = gl.arange(0, 8, layout=gl.SliceLayout(1, MW))
+    j = gl.arange(0, 2 * NG, layout=gl.SliceLayout(0, MW))
+    wp = ptr.to(gl.pointer_type(gl.int32)) + gl.multiple_of(t0, 64) * NG // 4
+    return gl.load(wp + (2 * NG * g)[:, None] + j[None, :])
 
 
 @gluon.jit
-def _tile_meta(x, RL: gl.constexpr):
-    """_load_meta's bytes as float32 per group, in row order m (row m holds token 8·(m mod 8) + m div 8)."""
-    x0, x1 = gl.split(gl.reshape(x.to(gl.float32), [8, 8, 2]))
+def _tile_meta(w, RL: gl.constexpr, SIGNED: gl.constexpr):
+    """_load_meta's words (or, from the ring, its bytes [8, 16]) as float32 2^23 + b per group, b the code
+    unsigned (signed codes plus 128), in row order m (row m holds token 8·(m mod 8) + m div 8). One prmt a
+    byte (_byte_floats) where a conversion would take the special-function unit's quarter-rate pipe, which
+    the exp2s already load; callers take the 2^23 off in the arithmetic that follows."""
+    if w.dtype == gl.int32:
+        x = _byte_floats(w, SIGNED)
+        if w.shape[1] == 2:
+            # One code a token (groups of 128): both halves of the head read it.
+            x = gl.reshape(gl.join(x, x), [8, 16])
+    elif SIGNED:
+        x = w.to(gl.int8, bitcast=True).to(gl.float32) + 8388736.0
+    else:
+        x = w.to(gl.float32) + 8388608.0
+    x0, x1 = gl.split(gl.reshape(x, [8, 8, 2]))
     x0 = gl.convert_layout(gl.reshape(gl.permute(x0, [1, 0]), [64]), RL, assert_trivial=True)
     x1 = gl.convert_layout(gl.reshape(gl.permute(x1, [1, 0]), [64]), RL, assert_trivial=True)
     return x0, x1
 
 
 @gluon.jit
-def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML: gl.constexpr, KW: gl.constexpr, NGK: gl.constexpr,
+def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: gl.constexpr,
                NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr):
     """Every byte of tile t0: key words 2t and 2t + 1 of each row (one 8-byte load; at head_dim 64 word t,
     and the second product's registers repeat the first's), value halves joined in pairs, metadata (with
@@ -118,14 +130,14 @@ def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML: gl.constexpr, KW: g
         vw1 = _pair(gl.load(vp + 8), gl.load(vp + 136))
     else:
         vw1 = vw0
-    vscb = _load_meta(vsc, t0, ML, NGV)
-    vzb = _load_meta(vz, t0, ML, NGV)
+    vscb = _load_meta(vsc, t0, NGV)
+    vzb = _load_meta(vz, t0, NGV)
     if TB > 1:
         kscb = vscb
         kzb = vzb
     else:
-        kscb = _load_meta(ksc, t0, ML, NGK)
-        kzb = _load_meta(kz, t0, ML, NGK)
+        kscb = _load_meta(ksc, t0, NGK)
+        kzb = _load_meta(kz, t0, NGK)
     return kw0, kw1, vw0, vw1, kscb, kzb, vscb, vzb
 
 
@@ -436,7 +448,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             st = it % STAGES
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL), ML)
         else:
-            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, ML, KW, NGK, NGV, TB, D)
+            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D)
         kw0, kw1, vw0, vw1, kscb, kzb, vscb, vzb = cur
         k0 = _unpack_words(gl.expand_dims(kw0, 2), KL)
         # [tokens, t, (i = 2s + h, e)] -> [tokens, (s, h, t, e)]: κ = 16s + 8h + 2t + e.
@@ -474,10 +486,12 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             s = mma_v2(a0, q0, s_init)
             if D == 128:
                 s1 = mma_v2(a1, q1, s_init1 if GS else s)
-            ksc0, ksc1 = _tile_meta(kscb, CR)
-            kz0, kz1 = _tile_meta(kzb.to(gl.int8, bitcast=True), CR)
-            kst0 = gl.exp2(ksc0 * 0.125 + (log2_scale - 16.0))
-            kst1 = gl.exp2(ksc1 * 0.125 + (log2_scale - 16.0))
+            ksc0, ksc1 = _tile_meta(kscb, CR, False)
+            kz0, kz1 = _tile_meta(kzb, CR, True)
+            kz0 -= 8388736.0
+            kz1 -= 8388736.0
+            kst0 = gl.exp2((ksc0 - 8388608.0) * 0.125 + (log2_scale - 16.0))
+            kst1 = gl.exp2((ksc1 - 8388608.0) * 0.125 + (log2_scale - 16.0))
             if GS:
                 x = kst0[:, None] * (s + kz0[:, None] * q_sum0[None, :])
                 if D == 128:
@@ -511,10 +525,13 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         l += _rowsum(p)
 
         # Value weights w_g = p·step_g (bf16): the products' B operand, and their sums.
-        vsc0, vsc1 = _tile_meta(vscb, XR)
-        vz0, vz1 = _tile_meta(vzb.to(gl.int8, bitcast=True), XR)
-        vst0 = gl.exp2(vsc0 * 0.125 - 16.0)
-        vst1 = gl.exp2(vsc1 * 0.125 - 16.0)
+        vsc0, vsc1 = _tile_meta(vscb, XR, False)
+        vz0, vz1 = _tile_meta(vzb, XR, True)
+        vz0 -= 8388736.0
+        vz1 -= 8388736.0
+        # (2^23 + b)/8 − 2^20 − 16 = b/8 − 16, exact in one fma.
+        vst0 = gl.exp2(vsc0 * 0.125 - 1048592.0)
+        vst1 = gl.exp2(vsc1 * 0.125 - 1048592.0)
         w0 = (p * vst0[:, None]).to(gl.bfloat16)
         w1 = (p * vst1[:, None]).to(gl.bfloat16)
         wf0 = w0.to(gl.float32)
