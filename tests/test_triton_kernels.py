@@ -349,6 +349,24 @@ def test_decode_kernel_channel_keys_refuse_before_launch():
         decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, None, 0.125, gluon=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon programs need a GPU")
+@pytest.mark.parametrize("context,batch,spare", [(100_000, 1, True), (100_000, 2, True), (100_000, 4, False),
+                                                 (32768, 1, False)])
+def test_long_small_batches_leave_the_window_programs_a_slot(context, batch, spare):
+    """At most 16 (sequence, KV head) pairs from 64K INT2 rows: the Gluon grid is one program a multiprocessor
+    short of a whole wave, so the window programs run beside it in a graph; otherwise a whole wave."""
+    cache = kvstore.empty_cache(batch, 8, 128, context, device="cuda")
+    q = torch.zeros(batch, 32, 128, dtype=torch.bfloat16, device="cuda")
+    plan = decode.launch_plan(q, cache, max_length=context)
+    consts = {k: v for k, v in plan.gluon_consts.items() if k not in ("num_warps", "maxnreg")}
+    slots = decode._gluon_programs_per_sm(cache, consts, q.device)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    max_int2 = context - cache.sink_tokens - cache.recent_tokens
+    _, splits = decode.plan_splits(batch, 8, max_int2, 64, sms, slots - spare, plan.min_chunk)
+    assert plan.gluon_grid == (splits, batch * 8)
+    assert splits * batch * 8 <= (slots - spare) * sms
+
+
 @pytest.mark.parametrize("regs,shared,expect", [(96, 0, 20), (128, 0, 16), (144, 0, 12), (166, 0, 12),
                                                  (225, 0, 8), (64, 0, 32), (128, 20 * 1024, 10)])
 def test_resident_warps_count_each_schedulers_registers(regs, shared, expect):
