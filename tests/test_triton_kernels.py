@@ -350,10 +350,9 @@ def test_decode_kernel_channel_keys_refuse_before_launch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon programs need a GPU")
-@pytest.mark.parametrize("context,batch,spare", [(100_000, 1, True), (100_000, 2, True), (100_000, 4, False),
-                                                 (32768, 1, False)])
+@pytest.mark.parametrize("context,batch,spare", [(100_000, 1, True), (100_000, 2, False), (32768, 1, False)])
 def test_long_small_batches_leave_the_window_programs_a_slot(context, batch, spare):
-    """At most 16 (sequence, KV head) pairs from 64K INT2 rows: the Gluon grid is one program a multiprocessor
+    """At most 8 (sequence, KV head) pairs from 64K INT2 rows: the Gluon grid is one program a multiprocessor
     short of a whole wave, so the window programs run beside it in a graph; otherwise a whole wave."""
     cache = kvstore.empty_cache(batch, 8, 128, context, device="cuda")
     q = torch.zeros(batch, 32, 128, dtype=torch.bfloat16, device="cuda")

@@ -936,13 +936,13 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     consts = {}
     if gluon:
         consts = gluon_constexprs(cache, heads, d, nw, heads_per_program)
-        # One whole wave of programs: each INT2 split is HT programs. At 16 (sequence, KV head) pairs or fewer
+        # One whole wave of programs: each INT2 split is HT programs. At 8 (sequence, KV head) pairs or fewer
         # from 64K INT2 rows, one program a multiprocessor fewer: the window programs, on a stream of their own
         # in a graph, then start beside the INT2 programs rather than after them (H100, 100K x 1: Qwen3-8B
         # 0.0546 -> 0.0514 ms, GQA 16 0.0722 -> 0.0619, d 64 0.0420 -> 0.0408, keys per channel within 1%; at
-        # 32K x 1 and below no change, at batch 8 3-14% slower; kernel_notes.md v15).
+        # 32K x 1 and below no change; at 16 pairs and more 3-14% slower; kernel_notes.md v15).
         slots = _gluon_programs_per_sm(cache, consts, q.device)
-        spare = bsz * kv_heads <= 16 and max_int2 >= 65536
+        spare = bsz * kv_heads <= 8 and max_int2 >= 65536
         cfg["waves"] = max(1, (slots - spare) // consts["HT"])
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t

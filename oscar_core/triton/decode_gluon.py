@@ -71,6 +71,17 @@ def _unpack_words(words, L3: gl.constexpr):
                                      is_pure=True, pack=16)
 
 
+_BF16_PAIR = gl.constexpr("{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; mov.b32 {$0, $1}, t; }")
+
+
+@gluon.jit
+def _bf16_pair(a, b):
+    """(bf16(a), bf16(b)) of float32 tensors, rounded to nearest even as .to(gl.bfloat16) rounds, by one cvt for
+    both (F2FP, where one at a time is F2F, on the quarter-rate pipe that the exp2s load)."""
+    return gl.inline_asm_elementwise(_BF16_PAIR, "=h,=h,r,r", [a, b], dtype=(gl.bfloat16, gl.bfloat16),
+                                     is_pure=True, pack=1)
+
+
 @gluon.jit
 def _pair(lo, hi):
     """Two int16 halves -> one int32 word, lo in bits 0-15."""
@@ -532,8 +543,12 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         # (2^23 + b)/8 − 2^20 − 16 = b/8 − 16, exact in one fma.
         vst0 = gl.exp2(vsc0 * 0.125 - 1048592.0)
         vst1 = gl.exp2(vsc1 * 0.125 - 1048592.0)
-        w0 = (p * vst0[:, None]).to(gl.bfloat16)
-        w1 = (p * vst1[:, None]).to(gl.bfloat16)
+        if R4 == 8:
+            # One cvt for both: 1-2% faster at 8 heads, 1-2% slower at 4 (the halves cost prmts; v15).
+            w0, w1 = _bf16_pair(p * vst0[:, None], p * vst1[:, None])
+        else:
+            w0 = (p * vst0[:, None]).to(gl.bfloat16)
+            w1 = (p * vst1[:, None]).to(gl.bfloat16)
         wf0 = w0.to(gl.float32)
         wf1 = w1.to(gl.float32)
         w_sum0 += _rowsum(wf0)
