@@ -956,7 +956,9 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     sb = max(1, min(32, _pow2(ns), 2048 * num_warps // (qp * d)))
     sb = 1 << (sb.bit_length() - 1)
     split = bsz * kv_heads * ns * hg
-    block_c = min(d, 16)
+    # Columns of õ a reduce program merges and rotates: 8 at 8 (sequence, KV head) pairs or fewer, twice the
+    # programs (H100, graph, 32K x 1 and 100K x 1: 1-3% faster; at batch 8 0.5-3% slower; kernel_notes.md v15).
+    block_c = min(d, 8 if bsz * kv_heads <= 8 else 16)
     shares = 0 if fused else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
     return _Plan(
         gluon=gluon, ns=ns, n_int2=n_int2, min_chunk=cfg["min_chunk"], split=split, work=split * (d + 2) + shares,
