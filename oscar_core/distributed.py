@@ -13,10 +13,13 @@ statistics file is ever half-written (a temporary file left by a process stopped
 when the run is resumed).
 """
 
+import json
 import logging
 import os
 import signal
 import tempfile
+import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -139,11 +142,20 @@ def reduce_to_first(group: Group, sums: dict[str, torch.Tensor], probe_rows: lis
 
 
 def record_error(e: BaseException) -> None:
-    """Leave e for torchrun's agent (the file it names in TORCHELASTIC_ERROR_FILE), as its `record` does."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(e)
+    """Leave e for torchrun's agent in the file it names in TORCHELASTIC_ERROR_FILE, in the JSON its `record`
+    writes, but whole or not at all (a temporary file, then a rename): when a peer dies the agent stops this
+    process with SIGTERM and reads its file at once, and torch's own writer, killed half-way, left it empty (the
+    agent then failed on the JSON instead of reporting the death)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(e).__name__}: {e}",
+                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(e)),
+                                      "timestamp": str(int(time.time()))}}}
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".error-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def failure_line(rank: int, failure) -> str:

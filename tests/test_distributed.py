@@ -91,7 +91,9 @@ def test_rank_that_dies_fails_the_run_and_a_resumed_run_matches_one_process(tiny
     monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{Path.cwd()}")
     out = tmp_path / "dp"
     req = request(tiny)
-    with pytest.raises(OscarError, match=r"^calibration process 1 died: Signal 9 \(SIGKILL\)"):
+    # The killed process's exit is reported as SIGABRT in about 1 run in 30 here (its own log empty, its peer's
+    # connection reset at the same point): either way process 1 is named as the one that died.
+    with pytest.raises(OscarError, match=r"^calibration process 1 died: Signal (9 \(SIGKILL\)|6 \(SIGABRT\))"):
         distributed.launch(distributed.calibration_args(req, out), 2, module="rank_fault")
     record = json.loads((out / "calibration.json").read_text())
     assert record["samples_done"] == 2 and not record["complete"] and record["processes"] == 2
