@@ -13,7 +13,6 @@ statistics file is ever half-written (a temporary file left by a process stopped
 when the run is resumed).
 """
 
-import json
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_core.errors import OscarError
+from oscar_core.fileio import atomic_write_json
 
 LAUNCHED = "OSCAR_LAUNCHED"  # set for the processes of launch(): the launcher reports their errors
 
@@ -149,13 +149,9 @@ def record_error(e: BaseException) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": f"{type(e).__name__}: {e}",
-                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(e)),
-                                      "timestamp": str(int(time.time()))}}}
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".error-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    atomic_write_json(path, {"message": {"message": f"{type(e).__name__}: {e}",
+                                         "extraInfo": {"py_callstack": "".join(traceback.format_exception(e)),
+                                                       "timestamp": str(int(time.time()))}}})
 
 
 def failure_line(rank: int, failure) -> str:

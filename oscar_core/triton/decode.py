@@ -933,6 +933,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
+    few_pairs = bsz * kv_heads <= 8         # small batches: the window programs' slot, the reduce's columns
     consts = {}
     if gluon:
         consts = gluon_constexprs(cache, heads, d, nw, heads_per_program)
@@ -942,7 +943,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         # 0.0546 -> 0.0514 ms, GQA 16 0.0722 -> 0.0619, d 64 0.0420 -> 0.0408, keys per channel within 1%; at
         # 32K x 1 and below no change; at 16 pairs and more 3-14% slower; kernel_notes.md v15).
         slots = _gluon_programs_per_sm(cache, consts, q.device)
-        spare = bsz * kv_heads <= 8 and max_int2 >= 65536
+        spare = few_pairs and max_int2 >= 65536
         cfg["waves"] = max(1, (slots - spare) // consts["HT"])
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
@@ -958,7 +959,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     split = bsz * kv_heads * ns * hg
     # Columns of õ a reduce program merges and rotates: 8 at 8 (sequence, KV head) pairs or fewer, twice the
     # programs (H100, graph, 32K x 1 and 100K x 1: 1-3% faster; at batch 8 0.5-3% slower; kernel_notes.md v15).
-    block_c = min(d, 8 if bsz * kv_heads <= 8 else 16)
+    block_c = min(d, 8 if few_pairs else 16)
     shares = 0 if fused else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
     return _Plan(
         gluon=gluon, ns=ns, n_int2=n_int2, min_chunk=cfg["min_chunk"], split=split, work=split * (d + 2) + shares,

@@ -527,15 +527,15 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
     L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
     for K and V, tiles of block_t positions (keys per channel: a key block a step, in tiles of half a block
-when it is longer than block_t), placed as
-    kvstore.append would place them: INT2 tiles quantized (a key block's columns together), then the sink's
-    and the ring's tiles in BF16, each in a loop of its own whose bounds come from the lengths on the device
-    (branches inside one loop made triton 3.6's pipeliner fail). key_rot / value_rot: prepare_rotation's
-    triples; clips float32 [H_kv]. registers: the cap on registers a thread (None: ptxas's choice); ahead: each
-    INT2 tile's load issued a tile early, while the tile before it is quantized. Defaults (0 and None): the
-    fastest of bench/write.py's sweep on the H100, 4-warp programs of 64 tokens loading ahead at ptxas's
-    registers; keys per channel in blocks of 128 run as two such tiles a block (1.73 TB/s, against 1.16 for
-    8-warp programs of one whole block held to 128 registers); 8-warp tiles (block_t 128) are held to 128."""
+    when it is longer than block_t), placed as kvstore.append would place them: INT2 tiles quantized (a key
+    block's columns together), then the sink's and the ring's tiles in BF16, each in a loop of its own whose
+    bounds come from the lengths on the device (branches inside one loop made triton 3.6's pipeliner fail).
+    key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]. registers: the cap on registers a
+    thread (None: ptxas's choice); ahead: each INT2 tile's load issued a tile early, while the tile before it
+    is quantized. Defaults (0 and None): the fastest of bench/write.py's sweep on the H100, 4-warp programs of 64
+    tokens loading ahead at ptxas's registers; keys per channel in blocks of 128 run as two such tiles a block (1.73
+    TB/s, against 1.16 for 8-warp programs of one whole block held to 128 registers); 8-warp tiles (block_t 128) are
+    held to 128."""
     bsz, heads, n, d = keys.shape
     s, tb = cache.sink_tokens, cache.token_block
     bt = max(min(tb, block_t), tb // 2) if tb > 1 else block_t
