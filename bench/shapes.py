@@ -45,7 +45,9 @@ SHAPES = [  # label, query heads, KV heads, head_dim, key group (or block), valu
     ("Qwen2.5-0.5B 14/2 d64, keys per channel", 14, 2, 64, 64, 64, "channel"),
     ("SmolLM2-135M 9/3 d64, keys per channel", 9, 3, 64, 64, 64, "channel"),
     ("Gemma-3-12B 16/8 d256", 16, 8, 256, 64, 64, "token"),
+    ("Gemma-3-12B 16/8 d256, keys per channel", 16, 8, 256, 64, 64, "channel"),
     ("Gemma-3-270M 4/1 d256", 4, 1, 256, 64, 64, "token"),
+    ("Gemma-3-270M 4/1 d256, keys per channel", 4, 1, 256, 64, 64, "channel"),
 ]
 SIZES = [(16384, 1), (16384, 8), (100_000, 8)]
 RAGGED = [7, 700, 4097, 12345]

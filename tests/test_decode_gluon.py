@@ -64,6 +64,10 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=12, R4=16, STAGES=0, NGK=2, NGV=2, TB=1, stack=160),  # 16 heads a program (the option) spill at d 128
     dict(HG=16, R4=16, STAGES=0, NGK=1, NGV=2, TB=64, stack=160),
     dict(HG=16, R4=16, STAGES=0, NGK=1, NGV=1, TB=1, D=64),
+    dict(HKV=1, HG=4, R4=4, STAGES=0, NGK=4, NGV=4, TB=1, D=256),    # Gemma 3's head_dim: 248-253 registers
+    dict(HG=2, R4=4, STAGES=0, NGK=2, NGV=2, TB=1, D=256),
+    dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=4, TB=64, D=256),
+    dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=2, TB=128, D=256),
 ]
 
 

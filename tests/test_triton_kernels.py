@@ -298,6 +298,10 @@ def test_decode_kernel_channel_keys_match_reference(d, heads, kv_heads, key_grou
     (128, 16, 2, 64, "token", [1500, 400]),
     (128, 24, 2, 64, "token", [900, 200]),                # GQA 12: one program of 16 heads (4 padding) or two
     (64, 14, 2, 64, "token", [1200, 70, 500]),
+    (256, 4, 1, 64, "token", [900, 321, 70]),             # head_dim 256: Gemma 3 270M / 1B's attention
+    (256, 4, 2, 128, "token", [700, 130]),                # groups of 128, 2 heads a KV head (Gemma 3 12B's GQA)
+    (256, 8, 2, 64, "channel", [900, 200]),
+    (256, 6, 2, 128, "channel", [800, 300]),              # blocks and groups of 128, 3 heads a KV head
 ])
 def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths):
     """Within 1e-2 of the reference with the value mean; without it (a small average of centred values, the
@@ -324,19 +328,24 @@ def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon programs need a GPU")
-@pytest.mark.parametrize("context,batch,heads,axis,expect", [
-    (2048, 1, 32, "token", False),      # 1,728 INT2 rows, 8 pairs, 4 heads a KV head: the Triton programs
-    (8192, 1, 32, "token", True),       # 7,872 INT2 rows
-    (8192, 1, 32, "channel", True),
-    (2048, 1, 64, "token", True),       # 8 heads a KV head
-    (2048, 4, 32, "token", True),       # 32 pairs
+@pytest.mark.parametrize("context,batch,heads,axis,expect,kv_heads,d", [
+    (2048, 1, 32, "token", False, 8, 128),    # 1,728 INT2 rows, 8 pairs, 4 heads a KV head: the Triton programs
+    (8192, 1, 32, "token", True, 8, 128),     # 7,872 INT2 rows
+    (8192, 1, 32, "channel", True, 8, 128),
+    (2048, 1, 64, "token", True, 8, 128),     # 8 heads a KV head
+    (2048, 4, 32, "token", True, 8, 128),     # 32 pairs
+    (100_000, 1, 4, "token", False, 1, 256),      # head_dim 256 below 8 pairs: Triton with keys per token,
+    (100_000, 1, 4, "channel", True, 1, 256),     # Gluon with keys per channel from 64K INT2 rows
+    (32768, 1, 4, "channel", False, 1, 256),
+    (16384, 8, 4, "token", True, 1, 256),         # 8 pairs
 ])
-def test_gluon_programs_are_the_default_from_4k_int2_rows(context, batch, heads, axis, expect):
+def test_gluon_programs_are_the_default_from_4k_int2_rows(context, batch, heads, axis, expect, kv_heads, d):
     """The default program choice: Gluon from 4K INT2 rows, above 16 (sequence, KV head) pairs or above 4 query
     heads per KV head; the Triton programs' one launch fewer only for short contexts at small batch (H100,
-    kernel_notes.md v14: at 8K x 1 the Gluon programs win or tie on every shape measured)."""
-    cache = kvstore.empty_cache(batch, 8, 128, context, device="cuda", key_axis=axis)
-    q = torch.zeros(batch, heads, 128, dtype=torch.bfloat16, device="cuda")
+    kernel_notes.md v14: at 8K x 1 the Gluon programs win or tie on every shape measured), and at head_dim 256
+    below 8 pairs (v16)."""
+    cache = kvstore.empty_cache(batch, kv_heads, d, context, device="cuda", key_axis=axis)
+    q = torch.zeros(batch, heads, d, dtype=torch.bfloat16, device="cuda")
     assert decode.launch_plan(q, cache, max_length=context).gluon is expect
 
 
@@ -350,20 +359,38 @@ def test_decode_kernel_channel_keys_refuse_before_launch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon programs need a GPU")
-@pytest.mark.parametrize("context,batch,spare", [(100_000, 1, True), (100_000, 2, False), (32768, 1, False)])
-def test_long_small_batches_leave_the_window_programs_a_slot(context, batch, spare):
+@pytest.mark.parametrize("context,batch,waves,d", [(100_000, 1, "spare", 128), (100_000, 2, "whole", 128),
+                                                   (32768, 1, "3/4", 128), (100_000, 1, "whole", 256)])
+def test_long_small_batches_leave_the_window_programs_a_slot(context, batch, waves, d):
     """At most 8 (sequence, KV head) pairs from 64K INT2 rows: the Gluon grid is one program a multiprocessor
-    short of a whole wave, so the window programs run beside it in a graph; otherwise a whole wave."""
-    cache = kvstore.empty_cache(batch, 8, 128, context, device="cuda")
-    q = torch.zeros(batch, 32, 128, dtype=torch.bfloat16, device="cuda")
+    short of a whole wave, so the window programs run beside it in a graph; short programs at few pairs: 3/4 of
+    a wave; otherwise (and at head_dim 256, 8 programs a multiprocessor) a whole wave."""
+    cache = kvstore.empty_cache(batch, 8, d, context, device="cuda")
+    q = torch.zeros(batch, 32, d, dtype=torch.bfloat16, device="cuda")
     plan = decode.launch_plan(q, cache, max_length=context)
     consts = {k: v for k, v in plan.gluon_consts.items() if k not in ("num_warps", "maxnreg")}
     slots = decode._gluon_programs_per_sm(cache, consts, q.device)
+    use = dict(spare=slots - 1, whole=slots)[waves] if waves != "3/4" else slots * 3 // 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     max_int2 = context - cache.sink_tokens - cache.recent_tokens
-    _, splits = decode.plan_splits(batch, 8, max_int2, 64, sms, slots - spare, plan.min_chunk)
+    _, splits = decode.plan_splits(batch, 8, max_int2, 64, sms, use, plan.min_chunk)
     assert plan.gluon_grid == (splits, batch * 8)
-    assert splits * batch * 8 <= (slots - spare) * sms
+    assert splits * batch * 8 <= use * sms
+
+
+@pytest.mark.parametrize("pairs,max_int2,d,slots,ht,expect", [
+    (8, 99_680, 128, 16, 1, 15),      # 100K x 1: a slot for the window programs
+    (8, 32_448, 128, 16, 1, 12),      # 32K x 1: a whole wave would read 128 rows a program
+    (16, 16_064, 128, 16, 1, 12),     # 16K x 2
+    (16, 65_216, 128, 16, 1, 16),     # 64K x 2: 512 rows a program
+    (64, 7_872, 128, 16, 1, 16),      # more than 16 pairs
+    (8, 99_680, 256, 8, 1, 8),        # head_dim 256
+    (2, 32_448, 128, 16, 2, 6),       # GQA 16: two programs a split
+])
+def test_gluon_waves_by_pairs_and_rows(pairs, max_int2, d, slots, ht, expect):
+    """Few pairs: a spare slot from 64K rows (at 8 pairs or fewer), 3/4 of a wave where a whole one would give
+    programs of 256 rows or fewer; otherwise a whole wave (132 multiprocessors, programs of at least 128 rows)."""
+    assert decode.gluon_waves(pairs, max_int2, d, slots, ht, 132, 128) == expect
 
 
 @pytest.mark.parametrize("regs,shared,expect", [(96, 0, 20), (128, 0, 16), (144, 0, 12), (166, 0, 12),
@@ -385,6 +412,8 @@ def test_resident_warps_count_each_schedulers_registers(regs, shared, expect):
     (40, 8, 128, 64, "channel", None, dict(HG=5, R4=8, HT=1)),
     (32, 8, 128, 64, "channel", None, dict(HG=4, R4=4, HT=1)),
     (40, 8, 128, 64, "token", None, dict(HG=5, R4=8, HT=1, STAGES=0)),
+    (16, 8, 256, 64, "token", 8, dict(HG=2, R4=4, HT=1, NGK=4, NGV=4, D=256)),   # head_dim 256: 4 heads a program
+    (32, 2, 256, 128, "channel", None, dict(HG=16, R4=4, HT=4, NGK=1, NGV=2, TB=128)),
 ])
 def test_gluon_programs_cover_a_kv_heads_query_heads(heads, kv_heads, d, group, axis, per_program, expect):
     """Each KV head's HG query heads go to HT programs of R4 heads (R4·HT ≥ HG > R4·(HT − 1)), the groups

@@ -587,11 +587,14 @@ def default_config(batch: int, kv_heads: int, head_dim: int = 128, gluon: bool =
     (batch 1-2), four-warp programs. Each setting was compiled offline for sm_90 (triton 3.6) to fit shared
     memory without spilling in the loop. The Gluon INT2 programs are one warp of 64-token tiles at every
     batch (their products need no shared memory), one whole wave of them (decode_attention counts the
-    programs a multiprocessor holds), at least 256 rows each (H200, batch 1: 256 against 512 rows 0.031 against
-    0.038 ms at 32K, 0.0516 against 0.0524 at 100K; kernel_notes.md v11)."""
+    programs a multiprocessor holds), at least 128 rows each (H100, graph, 128 against 256 rows: Qwen3-8B's
+    shape at 8K x 1 0.0214 against 0.0249 ms, 16K x 1 0.0240 against 0.0272, 100K x 1 equal; head_dim 256 at
+    1-8 pairs 2-20% faster; 64 rows lost at some lengths; kernel_notes.md v16)."""
     pairs = batch * kv_heads
     if gluon:
-        return dict(block_n=64, num_warps=1, num_stages=1, waves=16, key_t=True, min_chunk=256)
+        # (num_warps: the window programs'; two at head_dim 256 as below.)
+        return dict(block_n=64, num_warps=2 if head_dim > 128 else 1, num_stages=1, waves=16, key_t=True,
+                    min_chunk=128)
     if pairs > 16:
         cfg = dict(block_n=64, num_warps=1, num_stages=4 if pairs >= 128 else 3, waves=48, key_t=pairs >= 128,
                    min_chunk=512)
@@ -641,14 +644,14 @@ def check_shape(heads: int, kv_heads: int, head_dim: int, key_group_size: int, v
 
 def gluon_supported(q: torch.Tensor, cache: Int2KVCache) -> bool:
     """Whether the Gluon INT2 programs (decode_gluon.py) serve this call: a CUDA device of compute
-    capability 8.0 or newer, head_dim 64 or 128, value groups (and key groups, keys per token; key blocks,
+    capability 8.0 or newer, head_dim 64, 128 or 256, value groups (and key groups, keys per token; key blocks,
     keys per channel) of 64 or 128 within the head, up to 16 query heads per KV head, whole 64-row blocks
     of INT2 rows (kvstore.int2_rows allocates them so)."""
     if not q.is_cuda or _gluon() is None or _capability(q.device)[0] < 8:
         return False
     d, gk, gv = q.shape[-1], cache.key_group_size, cache.value_group_size
     keys_fit = gk in (64, 128) and (cache.key_axis == "channel" or gk <= d)
-    return (d in (64, 128) and keys_fit and gv in (64, 128) and gv <= d
+    return (d in (64, 128, 256) and keys_fit and gv in (64, 128) and gv <= d
             and q.shape[1] // cache.key_codes.shape[1] <= 16 and cache.key_codes.shape[2] % 64 == 0)
 
 
@@ -660,11 +663,14 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     (H100, 100K x 8, kernel_notes.md v12: GQA 8 0.29 against 0.43 ms keys per token, 0.34 against 0.50 keys
     per channel; GQA 16 0.15 against 0.22). 16 heads a program (two score columns of the mma, 255 registers
     with spills) is an option, not the rule: from 9 heads a KV head it was 4-14% faster with keys per token at
-    100K x 8 and 10-40% slower with keys per channel and at 16K (kernel_notes.md v15)."""
+    100K x 8 and 10-40% slower with keys per channel and at 16K (kernel_notes.md v15). At head_dim 256 always 4
+    (its four value accumulators and query operands take 248-253 registers at 4 heads)."""
     kv_heads = cache.key_codes.shape[1]
     hg = heads // kv_heads
     if heads_per_program is None:
         heads_per_program = 8 if hg > 4 else 4
+    if head_dim == 256:
+        heads_per_program = 4
     r4 = max(4, _pow2(min(hg, heads_per_program)))
     tb = cache.token_block
     ngk = head_dim // cache.key_group_size if tb == 1 else 1
@@ -672,6 +678,28 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     stages = _gluon().STAGES if (head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4) else 0
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
                 BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4), D=head_dim)
+
+
+def gluon_waves(pairs: int, max_int2: int, head_dim: int, slots: int, ht: int, num_sms: int, min_chunk: int) -> int:
+    """Gluon INT2 splits a multiprocessor (each split is ht programs; slots: the programs one multiprocessor holds).
+    One whole wave, but at head_dim 64/128 for 16 (sequence, KV head) pairs or fewer (H100, graph,
+    kernel_notes.md v15, v16):
+    - from 64K INT2 rows at 8 pairs or fewer, one program a multiprocessor fewer: the window programs, on a
+      stream of their own in a graph, then start beside the INT2 programs rather than after them (100K x 1:
+      Qwen3-8B 0.0546 -> 0.0514 ms, GQA 16 0.0722 -> 0.0619, d 64 0.0420 -> 0.0408; at 16 pairs 3-14% slower);
+    - where a whole wave's programs would read 256 rows or fewer each, 3/4 of the slots (Qwen3-8B's shape:
+      32K x 1 0.0330 -> 0.0293, 48K x 1 0.0401 -> 0.0357, 64K x 1 0.0450 -> 0.0418, 16K x 2 0.0339 -> 0.0303;
+      keys per channel 16K x 2 0.0354 -> 0.0322 but 32K x 1 0.0305 -> 0.0319; d 64 within 1%); longer
+      programs lose with it (100K x 1 0.0502 -> 0.0524, 100K x 2 0.078 -> 0.084).
+    Not at head_dim 256, where 8 programs a multiprocessor take longer tiles: there a whole wave won (100K x 8
+    pairs 0.0956 against 0.0983 ms with the spare slot)."""
+    if pairs <= 16 and head_dim <= 128:
+        if pairs <= 8 and max_int2 >= 65536:
+            return max(1, (slots - 1) // ht)
+        chunk, _ = plan_splits(pairs, 1, max_int2, 64, num_sms, slots // ht, min_chunk)
+        if chunk <= 256:
+            return max(1, slots * 3 // 4 // ht)
+    return max(1, slots // ht)
 
 
 @functools.lru_cache(maxsize=None)
@@ -758,7 +786,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     Launch settings left as None come from default_config (key_t: the score tile's orientation).
     gluon: the INT2 programs in Gluon (decode_gluon.py, one launch of their own beside the window programs);
     None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs, from 4K INT2 rows,
-    or for more than 4 query heads per KV head;
+    or for more than 4 query heads per KV head (at head_dim 256 below 8 pairs only for keys per channel from
+    64K INT2 rows);
     True to require them (ValueError where they cannot).
     Every sequence needs at least one token. The cache tensors must be contiguous.
     A store with keys per channel (cache.key_axis "channel") is read in tiles of at most its key block
@@ -923,9 +952,14 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         # (H100, graph, 8K x 1: Qwen3-8B 0.023 against 0.025 ms, keys per channel 0.024 against 0.032,
         # Llama-3.2-1B's d 64 0.025 both; GQA 16 0.033 against 0.065; kernel_notes.md v14).
         gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 4096 or hg > 4)
+        if gluon and d == 256 and bsz * kv_heads < 8:
+            # Below 8 pairs at head_dim 256 the Triton programs' four-warp tiles win up to 100K with keys per token
+            # (Gemma 3 270M's 4/1 heads at 100K x 1: 0.036 against 0.044 ms) and up to 64K with keys per channel
+            # (100K x 1: 0.054 against 0.045; kernel_notes.md v16).
+            gluon = cache.key_axis == "channel" and max_int2 >= 65536
     elif gluon and (fused or not gluon_supported(q, cache)):
-        raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64 or 128, groups of 64 or "
-                         "128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
+        raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64, 128 or 256, groups of 64 "
+                         "or 128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
     cfg = default_config(bsz, kv_heads, d, gluon)
     block_n = 64 if gluon else block_n or cfg["block_n"]
     if tb > 1:
@@ -933,18 +967,13 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
-    few_pairs = bsz * kv_heads <= 8         # small batches: the window programs' slot, the reduce's columns
+    few_pairs = bsz * kv_heads <= 8         # small batches: the reduce's columns
     consts = {}
     if gluon:
         consts = gluon_constexprs(cache, heads, d, nw, heads_per_program)
-        # One whole wave of programs: each INT2 split is HT programs. At 8 (sequence, KV head) pairs or fewer
-        # from 64K INT2 rows, one program a multiprocessor fewer: the window programs, on a stream of their own
-        # in a graph, then start beside the INT2 programs rather than after them (H100, 100K x 1: Qwen3-8B
-        # 0.0546 -> 0.0514 ms, GQA 16 0.0722 -> 0.0619, d 64 0.0420 -> 0.0408, keys per channel within 1%; at
-        # 32K x 1 and below no change; at 16 pairs and more 3-14% slower; kernel_notes.md v15).
         slots = _gluon_programs_per_sm(cache, consts, q.device)
-        spare = few_pairs and max_int2 >= 65536
-        cfg["waves"] = max(1, (slots - spare) // consts["HT"])
+        cfg["waves"] = gluon_waves(bsz * kv_heads, max_int2, d, slots, consts["HT"], _num_sms(q.device),
+                                   cfg["min_chunk"])
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
     # At least one INT2 program per pair, so a sequence longer than max_length is still read whole.

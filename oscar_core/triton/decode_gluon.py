@@ -1,7 +1,7 @@
 """INT2 split programs of decode attention in Gluon: the packed bytes loaded straight into mma operands.
 
-One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 64 or
-128, groups of 64 or 128 channels, keys per token or per channel over blocks of 64 or 128 tokens, R4 = 4, 8 or
+One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 64,
+128 or 256, groups of 64 or 128 channels, keys per token or per channel over blocks of 64 or 128 tokens, R4 = 4, 8 or
 16 query heads a program (up to 16 per KV head, over one or several programs). It replaces the INT2 programs of
 decode._split_kernel (same partial outputs po, pm, pl, merged by decode._reduce_kernel).
 
@@ -116,9 +116,31 @@ def _tile_meta(w, RL: gl.constexpr, SIGNED: gl.constexpr):
     else:
         x = w.to(gl.float32) + 8388608.0
     x0, x1 = gl.split(gl.reshape(x, [8, 8, 2]))
-    x0 = gl.convert_layout(gl.reshape(gl.permute(x0, [1, 0]), [64]), RL, assert_trivial=True)
-    x1 = gl.convert_layout(gl.reshape(gl.permute(x1, [1, 0]), [64]), RL, assert_trivial=True)
-    return x0, x1
+    return _meta_rows(x0, RL), _meta_rows(x1, RL)
+
+
+@gluon.jit
+def _meta_rows(x, RL: gl.constexpr):
+    """[g, j] (token 8g + j) -> [64] in row order m (token 8·(m mod 8) + m div 8), layout RL: register-only."""
+    return gl.convert_layout(gl.reshape(gl.permute(x, [1, 0]), [64]), RL, assert_trivial=True)
+
+
+@gluon.jit
+def _tile_meta4(w, RL: gl.constexpr, SIGNED: gl.constexpr):
+    """Head_dim 256: _load_meta's words as _tile_meta's floats, one [64] a 64-channel block (4). With groups
+    of 128 channels (two codes a token) blocks 0, 1 are the same tensor, and 2, 3."""
+    x = _byte_floats(w, SIGNED)
+    if w.shape[1] == 8:
+        # Byte 4j + g of row g' is group g = 2·hi + lo of token 8g' + j: split lo, then hi.
+        lo0, lo1 = gl.split(gl.reshape(x, [8, 8, 2, 2]))
+        x0, x2 = gl.split(lo0)
+        x1, x3 = gl.split(lo1)
+        return _meta_rows(x0, RL), _meta_rows(x1, RL), _meta_rows(x2, RL), _meta_rows(x3, RL)
+    else:
+        x0, x1 = gl.split(gl.reshape(x, [8, 8, 2]))
+        x0 = _meta_rows(x0, RL)
+        x1 = _meta_rows(x1, RL)
+        return x0, x0, x1, x1
 
 
 @gluon.jit
@@ -127,9 +149,10 @@ def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: 
     """Every byte of tile t0: key words 2t and 2t + 1 of each row (one 8-byte load; at head_dim 64 word t,
     and the second product's registers repeat the first's), value halves joined in pairs, metadata (with
     keys per channel, TB > 1, the key codes' places hold the value codes: the key scales are read per
-    block by _channel_query)."""
-    if D == 128:
-        kw0, kw1 = gl.split(gl.load(kw + t0 * 8 + koff))
+    block by _channel_query). At head_dim 256 the upper half's words and halves as the lower's (otherwise
+    kw2, kw3, vw2, vw3 repeat kw0, kw1, vw0, vw1)."""
+    if D >= 128:
+        kw0, kw1 = gl.split(gl.load(kw + t0 * (D // 16) + koff))
         kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
         kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
     else:
@@ -137,10 +160,19 @@ def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: 
         kw1 = kw0
     vp = vh + t0 * (D // 8) + voff
     vw0 = _pair(gl.load(vp), gl.load(vp + D))
-    if D == 128:
-        vw1 = _pair(gl.load(vp + 8), gl.load(vp + 136))
+    if D >= 128:
+        vw1 = _pair(gl.load(vp + 8), gl.load(vp + 8 + D))
     else:
         vw1 = vw0
+    if D == 256:
+        # The upper half (channels 128-255) as the lower: words 8 + 2t and 9 + 2t, halves 16-31.
+        kw2, kw3 = gl.split(gl.load(kw + t0 * 16 + koff + 8))
+        kw2 = gl.convert_layout(kw2, KW, assert_trivial=True)
+        kw3 = gl.convert_layout(kw3, KW, assert_trivial=True)
+        vw2 = _pair(gl.load(vp + 16), gl.load(vp + 16 + D))
+        vw3 = _pair(gl.load(vp + 24), gl.load(vp + 24 + D))
+    else:
+        kw2, kw3, vw2, vw3 = kw0, kw1, vw0, vw1
     vscb = _load_meta(vsc, t0, NGV)
     vzb = _load_meta(vz, t0, NGV)
     if TB > 1:
@@ -149,7 +181,7 @@ def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: 
     else:
         kscb = _load_meta(ksc, t0, NGK)
         kzb = _load_meta(kz, t0, NGK)
-    return kw0, kw1, vw0, vw1, kscb, kzb, vscb, vzb
+    return kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb
 
 
 @gluon.jit
@@ -170,9 +202,10 @@ def _read_tile(ksm, vsm, msm, st, KW: gl.constexpr, VS: gl.constexpr, ML: gl.con
     kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
     v = vsm.index(st)
     m = msm.index(st)
-    return (kw0, kw1, _pair(v.slice(0, 32).load(VS), v.slice(64, 32).load(VS)),
-            _pair(v.slice(32, 32).load(VS), v.slice(96, 32).load(VS)), m.slice(0, 8).load(ML),
-            m.slice(8, 8).load(ML), m.slice(16, 8).load(ML), m.slice(24, 8).load(ML))
+    vw0 = _pair(v.slice(0, 32).load(VS), v.slice(64, 32).load(VS))
+    vw1 = _pair(v.slice(32, 32).load(VS), v.slice(96, 32).load(VS))
+    return (kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m.slice(0, 8).load(ML), m.slice(8, 8).load(ML),
+            m.slice(16, 8).load(ML), m.slice(24, 8).load(ML))
 
 
 @gluon.jit
@@ -268,6 +301,38 @@ def _zero_rows(z, quarter_rho, AL: gl.constexpr):
 
 
 @gluon.jit
+def _key_operand(words, KL: gl.constexpr, a_op: gl.constexpr):
+    """A product's key words [tokens, t] (word w(t) of each row) -> the mma A operand [tokens, 64] bf16."""
+    k = _unpack_words(gl.expand_dims(words, 2), KL)
+    # [tokens, t, (i = 2s + h, e)] -> [tokens, (s, h, t, e)]: κ = 16s + 8h + 2t + e.
+    k = gl.permute(gl.reshape(k, [k.shape[0], 4, 4, 2, 2]), [0, 2, 3, 1, 4])
+    return gl.convert_layout(gl.reshape(k, [k.shape[0], 64]), a_op, assert_trivial=True)
+
+
+@gluon.jit
+def _value_operand(words, VL: gl.constexpr, a_op: gl.constexpr):
+    """A 64-channel block's value words [token pairs u, a] (halves of rows 2u, 2u + 1 joined) -> the mma A
+    operand [64 channels, tokens] bf16."""
+    u = _unpack_words(gl.expand_dims(words, 2), VL)
+    # [pairs u, a, (i, e)] -> [(i, a), (u, e)]: rows κ = 8i + a, columns token 2u + e.
+    v = gl.permute(gl.reshape(u, [u.shape[0], 8, 8, 2]), [2, 1, 0, 3])
+    return gl.convert_layout(gl.reshape(v, [64, 2 * u.shape[0]]), a_op, assert_trivial=True)
+
+
+@gluon.jit
+def _store_block(optr, o, w_sum, z_sum, rho, omask, HL: gl.constexpr, cols: gl.constexpr, NP: gl.constexpr):
+    """A 64-channel block's partial output, 4^-ρ(κ)·(O^T[κ, r] − 128·Σw) + Σ w·z/4, stored through π."""
+    ws = gl.convert_layout(gl.sum(w_sum, axis=0), HL)
+    zs = gl.convert_layout(0.25 * gl.sum(z_sum, axis=0), HL)
+    if ws.shape[0] < NP:
+        ws = gl.reshape(gl.join(ws, ws), [NP])
+        zs = gl.reshape(gl.join(zs, zs), [NP])
+    ws = gl.convert_layout(ws, cols)[None, :]
+    zs = gl.convert_layout(zs, cols)[None, :]
+    gl.store(optr, rho * (o - 128.0 * ws) + zs, mask=omask)
+
+
+@gluon.jit
 def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
                        log2_scale, T, n_int2_splits, min_chunk, NS,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
@@ -280,8 +345,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     scale and zero codes as bytes [B, H_kv, T, NG] (NG = 2 for groups of 64 channels, 1 for 128; zeros are
     int8 read as uint8). TB > 1: keys per channel over blocks of TB tokens, ksc and kz [B, H_kv, T/TB, D],
     the block's step and zero folded into the query operands each tile (_channel_query). T must be a
-    multiple of BLOCK_N and of TB. D: 64 or 128; the ring (STAGES > 0) only at D 128, TB 1, NGK = NGV = 2,
-    R4 = 4 (decode.gluon_constexprs keeps to these)."""
+    multiple of BLOCK_N and of TB. D: 64, 128 or 256 (R4 = 4 only: two products more for the keys, over
+    channels 128-255 as over 0-127, and two value products; NG up to 4); the ring (STAGES > 0) only at D 128,
+    TB 1, NGK = NGV = 2, R4 = 4 (decode.gluon_constexprs keeps to these)."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -335,13 +401,20 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     if TB > 1:
         quarter_rho = 0.25 / rho_k
     qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
-    if D == 128:
+    if D >= 128:
         qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + (64 if GS else 16), mask=qmask, other=0.0).to(gl.float32),
                        0.0)
     else:
         qf1 = gl.zeros_like(qf0)
     q0 = (qf0 * rho).to(gl.bfloat16)
     q1 = (qf1 * rho).to(gl.bfloat16)
+    if D == 256:
+        # The upper half's products 2 and 3 read channels 128 + c_0(κ), 128 + c_1(κ): with keys per token a
+        # score tile of their own, whose columns (r, g) are groups 2 + g.
+        qf2 = gl.where(qsel, gl.load(qt_ptr + qoff + 128, mask=qmask, other=0.0).to(gl.float32), 0.0)
+        qf3 = gl.where(qsel, gl.load(qt_ptr + qoff + 144, mask=qmask, other=0.0).to(gl.float32), 0.0)
+        q2 = (qf2 * rho).to(gl.bfloat16)
+        q3 = (qf3 * rho).to(gl.bfloat16)
     # Σ_κ q̂ (for the 128 offset) and Σ_c q̃ per group (for the key zero term), as score columns; GS: per
     # product (group).
     cols: gl.constexpr = gl.SliceLayout(0, mma)
@@ -356,6 +429,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         q_off = -128.0 * gl.convert_layout(gl.sum(q0.to(gl.float32) + q1.to(gl.float32), axis=0), cols)
         q_sum4 = 0.25 * gl.convert_layout(gl.sum(qf0 + qf1, axis=0), cols)
         s_init = gl.zeros([BLOCK_N, NC], gl.float32, mma) + q_off[None, :]
+        if D == 256:
+            q_off2 = -128.0 * gl.convert_layout(gl.sum(q2.to(gl.float32) + q3.to(gl.float32), axis=0), cols)
+            q_sum4_2 = 0.25 * gl.convert_layout(gl.sum(qf2 + qf3, axis=0), cols)
+            s_init2 = gl.zeros([BLOCK_N, NC], gl.float32, mma) + q_off2[None, :]
 
     # Scores [tokens, (r, g)] in the mma layout; summed over g, [tokens, r] in XL (in-thread).
     XL: gl.constexpr = _heads(s_init, R4).type.layout
@@ -368,13 +445,14 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     km = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, K2))).to(gl.int64)
     kt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K2))).to(gl.int64)
     kj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, K2))).to(gl.int64)
-    if D == 128:
-        # Words 2t and 2t + 1 of a row (one 8-byte load); GS: words t and 4 + t (two 4-byte loads).
+    if D >= 128:
+        # Words 2t and 2t + 1 of a row (one 8-byte load; at head_dim 256 another at 8 + 2t for the upper half);
+        # GS: words t and 4 + t (two 4-byte loads).
         if GS:
             kword = kt[None, :, None] + 4 * kj[None, None, :]
         else:
             kword = 2 * kt[None, :, None] + kj[None, None, :]
-        koff = ((8 * (km % 8) + km // 8) * 8)[:, None, None] + kword
+        koff = ((8 * (km % 8) + km // 8) * (D // 16))[:, None, None] + kword
     else:
         km1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW)).to(gl.int64)
         koff = ((8 * (km1 % 8) + km1 // 8) * 4)[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, KW))[None, :]
@@ -410,10 +488,19 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     o_zero = gl.zeros([64, NP], gl.float32, mma)
     o0 = o_zero
     o1 = o_zero
+    if D == 256:
+        w_sum2 = zero8
+        w_sum3 = zero8
+        z_sum2 = zero8
+        z_sum3 = zero8
+        o2 = o_zero
+        o3 = o_zero
     # Keys per channel: the block's scale and zero codes are loaded a tile ahead (loop-carried words) where the
     # registers allow: ahead, 8 heads at head_dim 128 take 225 registers (8 programs a multiprocessor), with
     # the tile 168 (12), 4-6% faster; 4 heads and head_dim 64 run faster ahead (H100, kernel_notes.md v14).
-    CODES_AHEAD: gl.constexpr = R4 == 4 or D == 64
+    # At head_dim 256 a block's codes are two halves of 128 channels (DH), each read as head_dim 128 reads its.
+    DH: gl.constexpr = 128 if D == 256 else D
+    CODES_AHEAD: gl.constexpr = (R4 == 4 and D <= 128) or D == 64
     if TB > 1 and CODES_AHEAD:
         sc_next = _load_block(ksc + (start // TB) * D, D)
         z_next = _load_block(kz + (start // TB) * D, D)
@@ -460,21 +547,23 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL), ML)
         else:
             cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D)
-        kw0, kw1, vw0, vw1, kscb, kzb, vscb, vzb = cur
-        k0 = _unpack_words(gl.expand_dims(kw0, 2), KL)
-        # [tokens, t, (i = 2s + h, e)] -> [tokens, (s, h, t, e)]: κ = 16s + 8h + 2t + e.
-        a0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k0, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
-                                          [BLOCK_N, 64]), a_op, assert_trivial=True)
-        if D == 128:
-            k1 = _unpack_words(gl.expand_dims(kw1, 2), KL)
-            a1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k1, [BLOCK_N, 4, 4, 2, 2]), [0, 2, 3, 1, 4]),
-                                              [BLOCK_N, 64]), a_op, assert_trivial=True)
+        kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb = cur
+        a0 = _key_operand(kw0, KL, a_op)
+        if D >= 128:
+            a1 = _key_operand(kw1, KL, a_op)
+        if D == 256:
+            a2 = _key_operand(kw2, KL, a_op)
+            a3 = _key_operand(kw3, KL, a_op)
         if TB > 1:
             if not CODES_AHEAD:
-                sc_next = _load_block(ksc + (t0 // TB) * D, D)
-                z_next = _load_block(kz + (t0 // TB) * D, D)
-            sc0, sc1 = _block_codes(sc_next, gl.SliceLayout(1, b_op), D, False)
-            z0, z1 = _block_codes(z_next, gl.SliceLayout(1, b_op), D, True)
+                sc_next = _load_block(ksc + (t0 // TB) * D, DH)
+                z_next = _load_block(kz + (t0 // TB) * D, DH)
+            sc0, sc1 = _block_codes(sc_next, gl.SliceLayout(1, b_op), DH, False)
+            z0, z1 = _block_codes(z_next, gl.SliceLayout(1, b_op), DH, True)
+            if D == 256:
+                sc2, sc3 = _block_codes(_load_block(ksc + (t0 // TB) * D + 128, DH), gl.SliceLayout(1, b_op), DH,
+                                        False)
+                z2, z3 = _block_codes(_load_block(kz + (t0 // TB) * D + 128, DH), gl.SliceLayout(1, b_op), DH, True)
             if CODES_AHEAD:
                 # The next tile's block codes (the last tile reloads a block in the store).
                 blk = (gl.minimum(t0 + BLOCK_N, T - BLOCK_N) // TB) * D
@@ -486,19 +575,31 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             # (as their starting accumulator it cost 8-9%: kernel_notes.md v14).
             qc0 = _channel_query(q0, sc0, log2_scale)
             off = mma_v2(_zero_rows(z0, quarter_rho, a_op), qc0, gl.zeros([16, NC], gl.float32, mma))
-            if D == 128:
+            if D >= 128:
                 qc1 = _channel_query(q1, sc1, log2_scale)
                 off = mma_v2(_zero_rows(z1, quarter_rho, a_op), qc1, off)
+            if D == 256:
+                qc2 = _channel_query(q2, sc2, log2_scale)
+                off = mma_v2(_zero_rows(z2, quarter_rho, a_op), qc2, off)
+                qc3 = _channel_query(q3, sc3, log2_scale)
+                off = mma_v2(_zero_rows(z3, quarter_rho, a_op), qc3, off)
             s = mma_v2(a0, qc0, gl.zeros([BLOCK_N, NC], gl.float32, mma))
-            if D == 128:
+            if D >= 128:
                 s = mma_v2(a1, qc1, s)
+            if D == 256:
+                s = mma_v2(a3, qc3, mma_v2(a2, qc2, s))
             x = _heads(s + (0.125 * gl.sum(off, axis=0))[None, :], R4)
         else:
             s = mma_v2(a0, q0, s_init)
-            if D == 128:
+            if D >= 128:
                 s1 = mma_v2(a1, q1, s_init1 if GS else s)
-            ksc0, ksc1 = _tile_meta(kscb, CR, False)
-            kz0, kz1 = _tile_meta(kzb, CR, True)
+            if D == 256:
+                s3 = mma_v2(a3, q3, mma_v2(a2, q2, s_init2))
+                ksc0, ksc1, ksc2, ksc3 = _tile_meta4(kscb, CR, False)
+                kz0, kz1, kz2, kz3 = _tile_meta4(kzb, CR, True)
+            else:
+                ksc0, ksc1 = _tile_meta(kscb, CR, False)
+                kz0, kz1 = _tile_meta(kzb, CR, True)
             kz0 -= 8388736.0
             kz1 -= 8388736.0
             kst0 = gl.exp2((ksc0 - 8388608.0) * 0.125 + (log2_scale - 16.0))
@@ -508,11 +609,21 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                 if D == 128:
                     x += kst1[:, None] * (s1 + kz1[:, None] * q_sum1[None, :])
             else:
-                if D == 128:
+                if D >= 128:
                     s = s1
                 kst = gl.where(grp1, kst1[:, None], kst0[:, None])
                 kzc = gl.where(grp1, kz1[:, None], kz0[:, None])
-                x = gl.sum(gl.reshape(kst * (s + kzc * q_sum4[None, :]), [BLOCK_N, R4, 2]), axis=2)
+                y = kst * (s + kzc * q_sum4[None, :])
+                if D == 256:
+                    # The upper half's score tile: columns (r, g) are groups 2 + g.
+                    kz2 -= 8388736.0
+                    kz3 -= 8388736.0
+                    kst2 = gl.exp2((ksc2 - 8388608.0) * 0.125 + (log2_scale - 16.0))
+                    kst3 = gl.exp2((ksc3 - 8388608.0) * 0.125 + (log2_scale - 16.0))
+                    kst = gl.where(grp1, kst3[:, None], kst2[:, None])
+                    kzc = gl.where(grp1, kz3[:, None], kz2[:, None])
+                    y += kst * (s3 + kzc * q_sum4_2[None, :])
+                x = gl.sum(gl.reshape(y, [BLOCK_N, R4, 2]), axis=2)
         x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
         m_tile = gl.max(x, axis=0)
         if gl.max(m_tile - m, axis=0) > 8.0:
@@ -531,13 +642,24 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             alpha_c = gl.convert_layout(alpha_c, gl.SliceLayout(0, mma))[None, :]
             o0 = o0 * alpha_c
             o1 = o1 * alpha_c
+            if D == 256:
+                w_sum2 = w_sum2 * alpha8
+                w_sum3 = w_sum3 * alpha8
+                z_sum2 = z_sum2 * alpha8
+                z_sum3 = z_sum3 * alpha8
+                o2 = o2 * alpha_c
+                o3 = o3 * alpha_c
             m = m_new
         p = gl.exp2(x - m[None, :])
         l += _rowsum(p)
 
         # Value weights w_g = p·step_g (bf16): the products' B operand, and their sums.
-        vsc0, vsc1 = _tile_meta(vscb, XR, False)
-        vz0, vz1 = _tile_meta(vzb, XR, True)
+        if D == 256:
+            vsc0, vsc1, vsc2, vsc3 = _tile_meta4(vscb, XR, False)
+            vz0, vz1, vz2, vz3 = _tile_meta4(vzb, XR, True)
+        else:
+            vsc0, vsc1 = _tile_meta(vscb, XR, False)
+            vz0, vz1 = _tile_meta(vzb, XR, True)
         vz0 -= 8388736.0
         vz1 -= 8388736.0
         # (2^23 + b)/8 − 2^20 − 16 = b/8 − 16, exact in one fma.
@@ -562,18 +684,28 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         b1 = gl.convert_layout(w1, b_op)
 
         # Values: half-word a of the tokens of rows 2u and 2u + 1 (8 tokens apart), joined in one word.
-        u0 = _unpack_words(gl.expand_dims(vw0, 2), VL)
-        # [pairs u, a, (i, e)] -> [(i, a), (u, e)]: rows κ = 8i + a, columns token 2u + e.
-        v0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u0, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
-                                          [64, BLOCK_N]), a_op, assert_trivial=True)
         # A fresh accumulator per tile, added with round-to-nearest float32 adds: chained through the
         # tensor cores over a long chunk, the 128·Σw offset in the codes lost precision (4e-3 at 4K rows).
-        o0 += mma_v2(v0, b0, o_zero)
-        if D == 128:
-            u1 = _unpack_words(gl.expand_dims(vw1, 2), VL)
-            v1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(u1, [BLOCK_N // 2, 8, 8, 2]), [2, 1, 0, 3]),
-                                              [64, BLOCK_N]), a_op, assert_trivial=True)
-            o1 += mma_v2(v1, b1, o_zero)
+        o0 += mma_v2(_value_operand(vw0, VL, a_op), b0, o_zero)
+        if D >= 128:
+            o1 += mma_v2(_value_operand(vw1, VL, a_op), b1, o_zero)
+        if D == 256:
+            # Blocks 2 and 3 (with groups of 128 their codes are block 2's: the same tensors, computed once).
+            vz2 -= 8388736.0
+            vz3 -= 8388736.0
+            w2 = (p * gl.exp2(vsc2 * 0.125 - 1048592.0)[:, None]).to(gl.bfloat16)
+            w3 = (p * gl.exp2(vsc3 * 0.125 - 1048592.0)[:, None]).to(gl.bfloat16)
+            wf2 = w2.to(gl.float32)
+            wf3 = w3.to(gl.float32)
+            w_sum2 += _rowsum(wf2)
+            w_sum3 += _rowsum(wf3)
+            z_sum2 += _rowsum(wf2 * vz2[:, None])
+            z_sum3 += _rowsum(wf3 * vz3[:, None])
+            if R4 < NP:
+                w2 = gl.reshape(gl.join(w2, gl.zeros_like(w2)), [BLOCK_N, NP])
+                w3 = gl.reshape(gl.join(w3, gl.zeros_like(w3)), [BLOCK_N, NP])
+            o2 += mma_v2(_value_operand(vw2, VL, a_op), gl.convert_layout(w2, b_op), o_zero)
+            o3 += mma_v2(_value_operand(vw3, VL, a_op), gl.convert_layout(w3, b_op), o_zero)
 
     # Output channel 64B + π(κ) of head r: 4^-ρ(κ)·(O^T_B[κ, r] − 128·Σw_B) + Σ w_B z_B/4.
     kappa = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
@@ -581,24 +713,14 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     r = r0 + oc // (NP // R4)
     real = ((oc % (NP // R4)) == 0) & (r < HG)
     rho = _rho_scale(kappa)[:, None]
-    ws0 = gl.convert_layout(gl.sum(w_sum0, axis=0), HL)
-    ws1 = gl.convert_layout(gl.sum(w_sum1, axis=0), HL)
-    zs0 = gl.convert_layout(0.25 * gl.sum(z_sum0, axis=0), HL)
-    zs1 = gl.convert_layout(0.25 * gl.sum(z_sum1, axis=0), HL)
-    if R4 < NP:
-        ws0 = gl.reshape(gl.join(ws0, ws0), [NP])
-        ws1 = gl.reshape(gl.join(ws1, ws1), [NP])
-        zs0 = gl.reshape(gl.join(zs0, zs0), [NP])
-        zs1 = gl.reshape(gl.join(zs1, zs1), [NP])
-    ws0 = gl.convert_layout(ws0, cols)[None, :]
-    ws1 = gl.convert_layout(ws1, cols)[None, :]
-    zs0 = gl.convert_layout(zs0, cols)[None, :]
-    zs1 = gl.convert_layout(zs1, cols)[None, :]
     optr = po_ptr + (slot * HG + r)[None, :] * D + (8 * (kappa % 8) + kappa // 8)[:, None]
     omask = real[None, :] & (kappa >= 0)[:, None]
-    gl.store(optr, rho * (o0 - 128.0 * ws0) + zs0, mask=omask)
-    if D == 128:
-        gl.store(optr + 64, rho * (o1 - 128.0 * ws1) + zs1, mask=omask)
+    _store_block(optr, o0, w_sum0, z_sum0, rho, omask, HL, cols, NP)
+    if D >= 128:
+        _store_block(optr + 64, o1, w_sum1, z_sum1, rho, omask, HL, cols, NP)
+    if D == 256:
+        _store_block(optr + 128, o2, w_sum2, z_sum2, rho, omask, HL, cols, NP)
+        _store_block(optr + 192, o3, w_sum3, z_sum3, rho, omask, HL, cols, NP)
     l = gl.convert_layout(gl.sum(l, axis=0), HL)
     rr = r0 + gl.arange(0, R4, layout=HL)
     gl.store(pm_ptr + slot * HG + rr, m, mask=rr < HG)
