@@ -1,9 +1,10 @@
 """INT2 split programs of decode attention in Gluon: the packed bytes loaded straight into mma operands.
 
-One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 64,
-128 or 256, groups of 64 or 128 channels, keys per token or per channel over blocks of 64 or 128 tokens, R4 = 4, 8 or
-16 query heads a program (up to 16 per KV head, over one or several programs). It replaces the INT2 programs of
-decode._split_kernel (same partial outputs po, pm, pl, merged by decode._reduce_kernel).
+One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 64, 128
+or 256, groups of 64 or 128 channels, keys per token or per channel over blocks of 64 or 128 tokens, R4 = 4, 8
+or 16 query heads a program (up to 16 per KV head, over one or several programs; 4 at head_dim 256, which reads
+channels 128-255 exactly as it reads 0-127). It replaces the INT2 programs of decode._split_kernel (same partial
+outputs po, pm, pl, merged by decode._reduce_kernel).
 
 The store's layout already is the operands' layout. quant.pack_int2 puts channel 4j + i of a token in
 byte j, bits 2i; within a 64-channel block read as 32-bit words, position 8a + i (word a // 2, half
