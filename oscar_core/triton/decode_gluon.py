@@ -544,7 +544,6 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             if t_next < end:
                 _issue(ksm, vsm, msm, nxt, kw, vh, mp, t_next, kc, vc)
             async_copy.commit_group()
-            st = it % STAGES
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL), ML)
         else:
             cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D)
