@@ -321,6 +321,13 @@ def _value_operand(words, VL: gl.constexpr, a_op: gl.constexpr):
 
 
 @gluon.jit
+def _value_step(sc):
+    """A value group's step 2^(b/8 − 16) from its scale code as a float 2^23 + b (_tile_meta):
+    (2^23 + b)/8 − 2^20 − 16 = b/8 − 16, exact in one fma."""
+    return gl.exp2(sc * 0.125 - 1048592.0)
+
+
+@gluon.jit
 def _store_block(optr, o, w_sum, z_sum, rho, omask, HL: gl.constexpr, cols: gl.constexpr, NP: gl.constexpr):
     """A 64-channel block's partial output, 4^-ρ(κ)·(O^T[κ, r] − 128·Σw) + Σ w·z/4, stored through π."""
     ws = gl.convert_layout(gl.sum(w_sum, axis=0), HL)
@@ -662,9 +669,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             vz0, vz1 = _tile_meta(vzb, XR, True)
         vz0 -= 8388736.0
         vz1 -= 8388736.0
-        # (2^23 + b)/8 − 2^20 − 16 = b/8 − 16, exact in one fma.
-        vst0 = gl.exp2(vsc0 * 0.125 - 1048592.0)
-        vst1 = gl.exp2(vsc1 * 0.125 - 1048592.0)
+        vst0 = _value_step(vsc0)
+        vst1 = _value_step(vsc1)
         if R4 == 8:
             # One cvt for both: 1-2% faster at 8 heads, 1-2% slower at 4 (the halves cost prmts; v15).
             w0, w1 = _bf16_pair(p * vst0[:, None], p * vst1[:, None])
@@ -690,11 +696,12 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         if D >= 128:
             o1 += mma_v2(_value_operand(vw1, VL, a_op), b1, o_zero)
         if D == 256:
-            # Blocks 2 and 3 (with groups of 128 their codes are block 2's: the same tensors, computed once).
+            # Blocks 2 and 3 (with groups of 128 their codes are block 2's: the same tensors, computed once), as
+            # blocks 0 and 1 above: one helper for all four reorders ptxas's schedule of the measured programs.
             vz2 -= 8388736.0
             vz3 -= 8388736.0
-            w2 = (p * gl.exp2(vsc2 * 0.125 - 1048592.0)[:, None]).to(gl.bfloat16)
-            w3 = (p * gl.exp2(vsc3 * 0.125 - 1048592.0)[:, None]).to(gl.bfloat16)
+            w2 = (p * _value_step(vsc2)[:, None]).to(gl.bfloat16)
+            w3 = (p * _value_step(vsc3)[:, None]).to(gl.bfloat16)
             wf2 = w2.to(gl.float32)
             wf3 = w3.to(gl.float32)
             w_sum2 += _rowsum(wf2)
