@@ -677,7 +677,19 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     ngv = head_dim // cache.value_group_size
     stages = _gluon().STAGES if (head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4) else 0
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
-                BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4), D=head_dim)
+                BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4), D=head_dim,
+                MASK_ALL=mask_every_tile(head_dim, r4, ngv))
+
+
+def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int) -> bool:
+    """Whether the Gluon programs mask every tile's scores to their rows (else only a program's last tile, behind a
+    warp-uniform branch). The branch takes 25-50 instructions a tile off the loop, but ptxas schedules the
+    4-head head_dim 128 loop with two value groups a token worse around it: H100, 100K x 8, graph, every tile /
+    last tile (kernel_notes.md v17): Qwen3-8B 0.2259 / 0.2280 ms, keys per channel 0.2542 / 0.2586, MHA 0.802 /
+    0.815; elsewhere the branch wins or ties: Llama-3.2-1B (d 64) 0.1466 / 0.1290, Gemma-3-12B (d 256) 0.490 /
+    0.466, keys per channel 0.567 / 0.547, Qwen3-8B with groups of 128 0.2184 / 0.2136, GQA 5-16 within 0.4% or
+    up to 1.7% faster."""
+    return head_dim == 128 and heads_per_program == 4 and value_groups == 2
 
 
 def gluon_waves(pairs: int, max_int2: int, head_dim: int, slots: int, ht: int, num_sms: int, min_chunk: int) -> int:

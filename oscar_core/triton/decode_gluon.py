@@ -103,19 +103,14 @@ def _load_meta(ptr, t0, NG: gl.constexpr):
 
 @gluon.jit
 def _tile_meta(w, RL: gl.constexpr, SIGNED: gl.constexpr):
-    """_load_meta's words (or, from the ring, its bytes [8, 16]) as float32 2^23 + b per group, b the code
+    """_load_meta's words (or the ring's, the same) as float32 2^23 + b per group, b the code
     unsigned (signed codes plus 128), in row order m (row m holds token 8·(m mod 8) + m div 8). One prmt a
     byte (_byte_floats) where a conversion would take the special-function unit's quarter-rate pipe, which
     the exp2s already load; callers take the 2^23 off in the arithmetic that follows."""
-    if w.dtype == gl.int32:
-        x = _byte_floats(w, SIGNED)
-        if w.shape[1] == 2:
-            # One code a token (groups of 128): both halves of the head read it.
-            x = gl.reshape(gl.join(x, x), [8, 16])
-    elif SIGNED:
-        x = w.to(gl.int8, bitcast=True).to(gl.float32) + 8388736.0
-    else:
-        x = w.to(gl.float32) + 8388608.0
+    x = _byte_floats(w, SIGNED)
+    if w.shape[1] == 2:
+        # One code a token (groups of 128): both halves of the head read it.
+        x = gl.reshape(gl.join(x, x), [8, 16])
     x0, x1 = gl.split(gl.reshape(x, [8, 8, 2]))
     return _meta_rows(x0, RL), _meta_rows(x1, RL)
 
@@ -190,11 +185,11 @@ def _issue(ksm, vsm, msm, st, kw, vh, mp, t0, kc, vc):
     """Start copying tile t0's bytes into stage st of the ring (cp.async, 16 bytes a copy)."""
     _async_load(ksm.index(st), kw + t0 * 8 + kc)
     _async_load(vsm.index(st), vh + t0 * 16 + vc)
-    _async_load(msm.index(st), mp + t0 * 2)
+    _async_load(msm.index(st), mp + t0 // 2)
 
 
 @gluon.jit
-def _read_tile(ksm, vsm, msm, st, KW: gl.constexpr, VS: gl.constexpr, ML: gl.constexpr):
+def _read_tile(ksm, vsm, msm, st, KW: gl.constexpr, VS: gl.constexpr):
     """_load_tile's registers, from stage st of the ring."""
     K8: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0])
     x = ksm.index(st).load(K8)
@@ -205,8 +200,10 @@ def _read_tile(ksm, vsm, msm, st, KW: gl.constexpr, VS: gl.constexpr, ML: gl.con
     m = msm.index(st)
     vw0 = _pair(v.slice(0, 32).load(VS), v.slice(64, 32).load(VS))
     vw1 = _pair(v.slice(32, 32).load(VS), v.slice(96, 32).load(VS))
-    return (kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m.slice(0, 8).load(ML), m.slice(8, 8).load(ML),
-            m.slice(16, 8).load(ML), m.slice(24, 8).load(ML))
+    # The metadata as _load_meta's words (one 16-byte read a thread an array).
+    MW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
+    return (kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m.slice(0, 8).load(MW), m.slice(8, 8).load(MW),
+            m.slice(16, 8).load(MW), m.slice(24, 8).load(MW))
 
 
 @gluon.jit
@@ -345,7 +342,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        log2_scale, T, n_int2_splits, min_chunk, NS,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
-                       NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr):
+                       NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
+                       MASK_ALL: gl.constexpr):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -355,7 +353,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     the block's step and zero folded into the query operands each tile (_channel_query). T must be a
     multiple of BLOCK_N and of TB. D: 64, 128 or 256 (R4 = 4 only: two products more for the keys, over
     channels 128-255 as over 0-127, and two value products; NG up to 4); the ring (STAGES > 0) only at D 128,
-    TB 1, NGK = NGV = 2, R4 = 4 (decode.gluon_constexprs keeps to these)."""
+    TB 1, NGK = NGV = 2, R4 = 4 (decode.gluon_constexprs keeps to these). MASK_ALL: the scores of every tile are
+    masked to the program's rows; otherwise only those of its last tile, the one that can run past them (a
+    warp-uniform branch)."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -447,7 +447,6 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     HL: gl.constexpr = gl.SliceLayout(0, XL)
     xrow = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, XL))
     grp1 = (gl.arange(0, NC, layout=gl.SliceLayout(0, mma)) % 2 == 1)[None, :]
-    ML: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0])
     # Row m of the tile (the mma's M for keys, K for values) holds token σ(m) = 8·(m mod 8) + m div 8, so a
     # thread's 8 rows are 8 consecutive tokens. Offsets in int64 so constant parts fold into the loads.
     km = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, K2))).to(gl.int64)
@@ -514,16 +513,16 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         z_next = _load_block(kz + (start // TB) * D, D)
     if STAGES > 0:
         # The ring, rows in tile-row order: keys [m, word] (token σ(m)); values [32·(2e + B) + u, a] = half
-        # 8B + a of tile row 2u + e; metadata [8·array + g, j] = byte j of tokens 8g .. 8g + 7. Every read
+        # 8B + a of tile row 2u + e; metadata [8·array + g, j] = word j of tokens 8g .. 8g + 7. Every read
         # is then free of bank conflicts (consecutive lanes read consecutive rows).
         S2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         ksm = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], S2)
         vsm = gl.allocate_shared_memory(gl.int16, [STAGES, 2 * BLOCK_N, 8], S2)
-        msm = gl.allocate_shared_memory(gl.uint8, [STAGES, 32, 16], S2)
+        msm = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 4], S2)
         # Copy layouts: 16 bytes a thread a copy (nine a tile), no two threads on the same bytes.
         KC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0])
         VC: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
-        MC: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
+        MC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
         cm = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KC))
         kc = ((8 * (cm % 8) + cm // 8) * 8)[:, None] + gl.arange(0, 8, layout=gl.SliceLayout(0, KC))[None, :]
         cr = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(1, VC))
@@ -531,9 +530,11 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         vc = ((8 * (crow % 8) + crow // 8) * 16 + 8 * ((cr // 32) % 2))[:, None] \
             + gl.arange(0, 8, layout=gl.SliceLayout(0, VC))[None, :]
         ca = gl.arange(0, 32, layout=gl.SliceLayout(1, MC))
-        mbase = gl.where(ca < 8, ksc, gl.where(ca < 16, kz, gl.where(ca < 24, vsc, vz)))
-        mp = (mbase + 16 * (ca % 8))[:, None] + gl.arange(0, 16, layout=gl.SliceLayout(0, MC))[None, :]
-        mp = gl.max_contiguous(gl.multiple_of(mp, [16, 16]), [1, 16])   # lost through the select
+        i32: gl.constexpr = gl.pointer_type(gl.int32)
+        mbase = gl.where(ca < 8, ksc.to(i32), gl.where(ca < 16, kz.to(i32), gl.where(ca < 24, vsc.to(i32),
+                                                                                        vz.to(i32))))
+        mp = (mbase + 4 * (ca % 8))[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, MC))[None, :]
+        mp = gl.max_contiguous(gl.multiple_of(mp, [16, 16]), [1, 4])   # lost through the select (bytes)
         for i in gl.static_range(STAGES - 1):
             if start + i * BLOCK_N < end:
                 _issue(ksm, vsm, msm, i, kw, vh, mp, start + i * BLOCK_N, kc, vc)
@@ -551,7 +552,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             if t_next < end:
                 _issue(ksm, vsm, msm, nxt, kw, vh, mp, t_next, kc, vc)
             async_copy.commit_group()
-            cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL), ML)
+            cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
         else:
             cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D)
         kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb = cur
@@ -631,7 +632,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                     kzc = gl.where(grp1, kz3[:, None], kz2[:, None])
                     y += kst * (s3 + kzc * q_sum4_2[None, :])
                 x = gl.sum(gl.reshape(y, [BLOCK_N, R4, 2]), axis=2)
-        x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
+        if MASK_ALL:
+            x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
+        elif t0 + BLOCK_N > end:
+            x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
         m_tile = gl.max(x, axis=0)
         if gl.max(m_tile - m, axis=0) > 8.0:
             m_new = gl.maximum(m, m_tile)
