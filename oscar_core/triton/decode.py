@@ -678,7 +678,20 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     stages = _gluon().STAGES if (head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4) else 0
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
                 BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4), D=head_dim,
-                MASK_ALL=mask_every_tile(head_dim, r4, ngv))
+                MASK_ALL=mask_every_tile(head_dim, r4, ngv), KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk))
+
+
+def keys_ahead(head_dim: int, heads_per_program: int, token_block: int, key_groups: int) -> bool:
+    """Whether the Gluon programs load each tile's key words during the tile before. The first key product
+    waited on them (ncu, Qwen3-8B 100K x 8: 14% of the warps' stall samples on that one instruction), but
+    the words take registers through the tile: only the 4-head programs have them to spare, and not the
+    128-register keys-per-token program with two groups a token (it spills) nor head_dim 256 with keys per
+    channel. H100, 100K x 8, graph, in the tile / ahead (kernel_notes.md v17): Gemma-3-12B 0.463 / 0.445 ms,
+    Gemma-3-270M 0.0943 / 0.0900, SmolLM2 (d 64, keys per channel) 0.0683 / 0.0652, Qwen3-8B with groups of
+    128 0.2136 / 0.2052, keys per channel 0.2538 / 0.2516, Llama-3.2-1B 0.1289 / 0.1274; left out: Qwen3-8B
+    0.226 / 0.257, 8-head programs 1-3% slower, Gemma-3 keys per channel 2-5% slower."""
+    return (heads_per_program == 4 and not (head_dim == 128 and token_block == 1 and key_groups == 2)
+            and not (head_dim == 256 and token_block > 1))
 
 
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int) -> bool:

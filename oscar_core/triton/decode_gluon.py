@@ -142,11 +142,15 @@ def _tile_meta4(w, RL: gl.constexpr, SIGNED: gl.constexpr):
 @gluon.jit
 def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: gl.constexpr,
                NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr):
-    """Every byte of tile t0: key words 2t and 2t + 1 of each row (one 8-byte load; at head_dim 64 word t,
-    and the second product's registers repeat the first's), value halves joined in pairs, metadata (with
-    keys per channel, TB > 1, the key codes' places hold the value codes: the key scales are read per
-    block by _channel_query). At head_dim 256 the upper half's words and halves as the lower's (otherwise
-    kw2, kw3, vw2, vw3 repeat kw0, kw1, vw0, vw1)."""
+    """Every byte of tile t0: _load_keys's words and _load_values's halves and metadata."""
+    return _load_keys(kw, t0, koff, KW, D) + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D)
+
+
+@gluon.jit
+def _load_keys(kw, t0, koff, KW: gl.constexpr, D: gl.constexpr):
+    """Tile t0's key words 2t and 2t + 1 of each row (one 8-byte load; at head_dim 64 word t, and the second
+    product's registers repeat the first's); at head_dim 256 the upper half's words 8 + 2t and 9 + 2t as the
+    lower's (otherwise kw2, kw3 repeat kw0, kw1)."""
     if D >= 128:
         kw0, kw1 = gl.split(gl.load(kw + t0 * (D // 16) + koff))
         kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
@@ -154,6 +158,21 @@ def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: 
     else:
         kw0 = gl.load(kw + t0 * 4 + koff)
         kw1 = kw0
+    if D == 256:
+        kw2, kw3 = gl.split(gl.load(kw + t0 * 16 + koff + 8))
+        kw2 = gl.convert_layout(kw2, KW, assert_trivial=True)
+        kw3 = gl.convert_layout(kw3, KW, assert_trivial=True)
+    else:
+        kw2, kw3 = kw0, kw1
+    return kw0, kw1, kw2, kw3
+
+
+@gluon.jit
+def _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK: gl.constexpr, NGV: gl.constexpr, TB: gl.constexpr,
+                 D: gl.constexpr):
+    """Tile t0's value halves joined in pairs and its metadata (with keys per channel, TB > 1, the key codes'
+    places hold the value codes: the key scales are read per block by _channel_query). At head_dim 256 the
+    upper half's halves 16-31 as the lower's (otherwise vw2, vw3 repeat vw0, vw1)."""
     vp = vh + t0 * (D // 8) + voff
     vw0 = _pair(gl.load(vp), gl.load(vp + D))
     if D >= 128:
@@ -161,14 +180,10 @@ def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: 
     else:
         vw1 = vw0
     if D == 256:
-        # The upper half (channels 128-255) as the lower: words 8 + 2t and 9 + 2t, halves 16-31.
-        kw2, kw3 = gl.split(gl.load(kw + t0 * 16 + koff + 8))
-        kw2 = gl.convert_layout(kw2, KW, assert_trivial=True)
-        kw3 = gl.convert_layout(kw3, KW, assert_trivial=True)
         vw2 = _pair(gl.load(vp + 16), gl.load(vp + 16 + D))
         vw3 = _pair(gl.load(vp + 24), gl.load(vp + 24 + D))
     else:
-        kw2, kw3, vw2, vw3 = kw0, kw1, vw0, vw1
+        vw2, vw3 = vw0, vw1
     vscb = _load_meta(vsc, t0, NGV)
     vzb = _load_meta(vz, t0, NGV)
     if TB > 1:
@@ -177,7 +192,7 @@ def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: 
     else:
         kscb = _load_meta(ksc, t0, NGK)
         kzb = _load_meta(kz, t0, NGK)
-    return kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb
+    return vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb
 
 
 @gluon.jit
@@ -343,7 +358,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
-                       MASK_ALL: gl.constexpr):
+                       MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -355,7 +370,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     channels 128-255 as over 0-127, and two value products; NG up to 4); the ring (STAGES > 0) only at D 128,
     TB 1, NGK = NGV = 2, R4 = 4 (decode.gluon_constexprs keeps to these). MASK_ALL: the scores of every tile are
     masked to the program's rows; otherwise only those of its last tile, the one that can run past them (a
-    warp-uniform branch)."""
+    warp-uniform branch). KEYS_AHEAD: each tile's key words are loaded during the tile before (loop-carried), so
+    the first key product does not wait on memory."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -508,9 +524,13 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     # At head_dim 256 a block's codes are two halves of 128 channels (DH), each read as head_dim 128 reads its.
     DH: gl.constexpr = 128 if D == 256 else D
     CODES_AHEAD: gl.constexpr = (R4 == 4 and D <= 128) or D == 64
+    # A program past the store's rows (an empty split) reads, ahead, its last tile's codes instead.
+    first = gl.minimum(start, T - BLOCK_N)
     if TB > 1 and CODES_AHEAD:
-        sc_next = _load_block(ksc + (start // TB) * D, D)
-        z_next = _load_block(kz + (start // TB) * D, D)
+        sc_next = _load_block(ksc + (first // TB) * D, D)
+        z_next = _load_block(kz + (first // TB) * D, D)
+    if KEYS_AHEAD:
+        k_next = _load_keys(kw, first, koff, KW, D)
     if STAGES > 0:
         # The ring, rows in tile-row order: keys [m, word] (token σ(m)); values [32·(2e + B) + u, a] = half
         # 8B + a of tile row 2u + e; metadata [8·array + g, j] = word j of tokens 8g .. 8g + 7. Every read
@@ -553,6 +573,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                 _issue(ksm, vsm, msm, nxt, kw, vh, mp, t_next, kc, vc)
             async_copy.commit_group()
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
+        elif KEYS_AHEAD:
+            cur = k_next + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D)
+            k_next = _load_keys(kw, gl.minimum(t0 + BLOCK_N, T - BLOCK_N), koff, KW, D)
         else:
             cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D)
         kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb = cur
