@@ -655,9 +655,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                     kzc = gl.where(grp1, kz3[:, None], kz2[:, None])
                     y += kst * (s3 + kzc * q_sum4_2[None, :])
                 x = gl.sum(gl.reshape(y, [BLOCK_N, R4, 2]), axis=2)
-        if MASK_ALL:
-            x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
-        elif t0 + BLOCK_N > end:
+        if MASK_ALL or t0 + BLOCK_N > end:
             x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
         m_tile = gl.max(x, axis=0)
         if gl.max(m_tile - m, axis=0) > 8.0:
