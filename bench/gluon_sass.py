@@ -7,6 +7,8 @@ holds (decode.resident_warps), and per 64-token tile and warp the loop's instruc
 GPU image's) installed to a side folder the counts are those of the programs that run on the H100:
     python -m pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36:. python bench/gluon_sass.py --out bench/results/gluon_sass.md
+--value-layout tiles compiles the programs that read a store whose value codes are in 64-row tiles
+(kvstore's value_layout; bench/results/gluon_sass_tiles.md).
 """
 
 import argparse
@@ -34,10 +36,10 @@ TYPES = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr=
 SMEM_PER_SM = 228 * 1024    # H100
 
 
-def constexprs(heads: int, kv_heads: int, d: int, gk: int, gv: int, axis: str) -> dict:
+def constexprs(heads: int, kv_heads: int, d: int, gk: int, gv: int, axis: str, layout: str = "rows") -> dict:
     """What decode._plan passes the Gluon programs for this shape (the window programs' count does not reach the
     loop: 5)."""
-    cache = kvstore.empty_cache(1, kv_heads, d, 1024, gk, gv, key_axis=axis)
+    cache = kvstore.empty_cache(1, kv_heads, d, 1024, gk, gv, key_axis=axis, value_layout=layout)
     return decode.gluon_constexprs(cache, heads, d, 5)
 
 
@@ -64,10 +66,11 @@ def compile_row(const: dict) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gluon_sass.md")
+    ap.add_argument("--value-layout", default="rows", choices=kvstore.VALUE_LAYOUTS)
     args = ap.parse_args()
     lines = ["# The Gluon INT2 programs' loop, offline for sm_90 (bench/gluon_sass.py)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; triton {triton.__version__}"
-             f", torch {torch.__version__}",
+             f", torch {torch.__version__}; value codes in {args.value_layout}",
              "- per 64-token tile and warp (one warp a program): loop instructions, tensor-core products (HMMA), "
              "special-function ops (MUFU), global loads (LDG), spill loads and stores (LDL + STL); programs a "
              "multiprocessor from the registers and shared memory (decode.resident_warps, H100)",
@@ -75,14 +78,14 @@ def main():
              "_gluon_options: maxnreg where the registers are held); head_dim 256 below 8 (sequence, KV head) pairs "
              "runs the Triton programs by default (decode._plan)", "",
              "| shape | heads a program x programs | key block | groups a token (K, V) | registers | stack | shared B "
-             "| programs a SM | loop | HMMA | MUFU | LDG | LDL + STL |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| programs a SM | keys ahead | loop | HMMA | MUFU | LDG | LDL + STL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, heads, kv_heads, d, gk, gv, axis in SHAPES:
-        c = constexprs(heads, kv_heads, d, gk, gv, axis)
+        c = constexprs(heads, kv_heads, d, gk, gv, axis, args.value_layout)
         r = compile_row(c)
         regs = f"{r['regs']} (held to {r['maxnreg']})" if r["maxnreg"] else str(r["regs"])
         line = (f"| {label} | {c['R4']} x {c['HT']} | {c['TB']} | {c['NGK']}, {c['NGV']} | {regs} | {r['stack']} | "
-                f"{r['shared']} | {r['per_sm']} | {r['loop']} | {r['hmma']} | {r['mufu']} | {r['ldg']} | {r['spill']} |")
+                f"{r['shared']} | {r['per_sm']} | {'yes' if c['KEYS_AHEAD'] else 'no'} | {r['loop']} | {r['hmma']} | {r['mufu']} | {r['ldg']} | {r['spill']} |")
         print(line, flush=True)
         lines.append(line)
     Path(args.out).write_text("\n".join(lines) + "\n")

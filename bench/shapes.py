@@ -11,6 +11,7 @@ For each shape class (GQA 1-16, head_dim 64/128/256, groups 64/128, keys per tok
    copy bandwidth) and the share of it the graph reaches.
 Imports only torch, triton and oscar_core's torch-only modules, so it runs on a bare GPU image:
     PYTHONPATH=. python3 bench/shapes.py --out bench/results/shapes.md
+--value-layout tiles runs every store with its value codes in 64-row tiles (kvstore's value_layout).
 """
 
 import argparse
@@ -51,6 +52,7 @@ SHAPES = [  # label, query heads, KV heads, head_dim, key group (or block), valu
 ]
 SIZES = [(16384, 1), (16384, 8), (100_000, 8)]
 RAGGED = [7, 700, 4097, 12345]
+VALUE_LAYOUT = ["rows"]     # --value-layout: every store this run builds
 
 
 def layer_of(kv_heads, d, gen):
@@ -84,7 +86,8 @@ def check(shape, gen) -> dict:
     bsz, longest = len(RAGGED), max(RAGGED)
     keys = torch.randn(bsz, longest, kv_heads, d, generator=gen, device="cuda") + layer.key_mean
     values = torch.randn(bsz, longest, kv_heads, d, generator=gen, device="cuda") + layer.value_mean
-    cache = kvstore.empty_cache(bsz, kv_heads, d, longest, gk, gv, device="cuda", key_axis=axis)
+    cache = kvstore.empty_cache(bsz, kv_heads, d, longest, gk, gv, device="cuda", key_axis=axis,
+                                value_layout=VALUE_LAYOUT[0])
     kvstore.prefill(cache, keys.bfloat16(), values.bfloat16(), torch.tensor(RAGGED, device="cuda"), layer)
     q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
     variants = {"default": {}}
@@ -117,7 +120,8 @@ def other_heads_per_program(q, cache) -> int:
 
 def random_store(bsz, kv_heads, d, context, gk, gv, axis, gen) -> kvstore.Int2KVCache:
     """A full store of random codes: scale codes near 2^0 (128 ± 8), small zeros, unit BF16 windows."""
-    cache = kvstore.empty_cache(bsz, kv_heads, d, context, gk, gv, device="cuda", key_axis=axis)
+    cache = kvstore.empty_cache(bsz, kv_heads, d, context, gk, gv, device="cuda", key_axis=axis,
+                                value_layout=VALUE_LAYOUT[0])
     for t in (cache.key_codes, cache.value_codes):
         t.copy_(torch.randint(0, 256, t.shape, generator=gen, device="cuda", dtype=torch.uint8))
     for t in (cache.key_scale, cache.value_scale):
@@ -170,7 +174,7 @@ def render(checks, rows, bandwidth) -> str:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; GPU: {props.name}; torch "
         f"{torch.__version__}, triton {triton.__version__}; copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s",
         "- 64 sink + 256 recent tokens in BF16 (plus the key block's ring for keys per channel); one query token "
-        "per sequence, every sequence at the full context",
+        f"per sequence, every sequence at the full context; value codes in {VALUE_LAYOUT[0]} (kvstore's value_layout)",
         "- graph: median CUDA-graph replay (bench/kernel.py graph_bench, L2 cleared before each); eager: wall clock per call of 100 calls "
         "from Python; x SDPA: SDPA time / INT2 time, same mode; of floor: floor time / INT2 graph time",
         "- err: max over rows of ‖out − ref‖/‖ref‖ against kvstore.decode_attention_reference, ragged lengths "
@@ -213,7 +217,9 @@ def main():
     ap.add_argument("--sizes", default=",".join(f"{c}x{b}" for c, b in SIZES),
                     help="context x batch points, comma separated")
     ap.add_argument("--no-time", action="store_true", help="errors only")
+    ap.add_argument("--value-layout", default="rows", choices=kvstore.VALUE_LAYOUTS)
     args = ap.parse_args()
+    VALUE_LAYOUT[0] = args.value_layout
     gen = torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth()
     shapes = [s for s in SHAPES if not args.only or any(part in s[0] for part in args.only.split(";"))]

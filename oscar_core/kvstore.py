@@ -64,6 +64,14 @@ class Int2KVCache:
       INT2 rows [0, n_int2), n_int2 = ⌊max(L − S − W, 0)/G⌋·G (whole blocks; values move with them),
     and the BF16 ring tokens are positions S + n_int2 .. L − 1 (at most W + G − 1, so a block that
     leaves and the token that pushes it out never share a slot). T is a multiple of G.
+
+    value_layout "tiles" (an option, not yet the default) changes where value_codes keeps its bytes: each
+    tile of 64 rows (rows 64k .. 64k + 63 of one sequence and KV head, the same bytes as in "rows") holds its
+    16-bit halves half-major, half h (channels 8h .. 8h + 7) of tile row m at 16-bit slot 64h + tile_slot(m),
+    tile_slot(m) = 16·(m div 16) + 2·(m mod 8) + (m mod 16) div 8. So the 16 rows 16i .. 16i + 15 of one half
+    are 32 consecutive bytes, rows 16i + j and 16i + 8 + j side by side: the two tokens whose halves make one
+    32-bit register of the decode's value operand (decode_gluon), which a lane then loads 16 bytes at a time
+    rather than 2 (value_rows / put_value_rows read and write rows in either layout).
     """
     key_sink: torch.Tensor
     value_sink: torch.Tensor
@@ -79,6 +87,7 @@ class Int2KVCache:
     key_group_size: int = 64
     value_group_size: int = 64
     key_axis: str = "token"
+    value_layout: str = "rows"
     # CUDA graphs of eager decode calls over this store (triton.decode.decode_attention keeps them here, so
     # they go with the store's tensors they read).
     graphs: dict = field(default_factory=dict, repr=False, compare=False)
@@ -107,6 +116,48 @@ class Int2KVCache:
 
 
 ROW_BLOCK = 64
+VALUE_LAYOUTS = ("rows", "tiles")
+
+
+def tile_slot(m: torch.Tensor) -> torch.Tensor:
+    """The 16-bit slot of tile row m (0-63) within each half's 64 slots of a value tile (layout "tiles")."""
+    return 16 * (m // 16) + 2 * (m % 8) + (m % 16) // 8
+
+
+def _value_tiles(cache: Int2KVCache, b: int, rows: torch.Tensor):
+    """Sequence b's value codes as int16 [H_kv, T/64, 64·d/8] tiles and, for rows [n], the tile [n, 1] and the
+    slot [n, d/8] of each of their halves."""
+    codes = cache.value_codes[b]
+    heads, t, nbytes = codes.shape
+    tiles = codes.view(heads, t // ROW_BLOCK, ROW_BLOCK * nbytes).view(torch.int16)
+    halves = torch.arange(nbytes // 2, device=codes.device)
+    slots = ROW_BLOCK * halves[None, :] + tile_slot(rows % ROW_BLOCK)[:, None]
+    return tiles, (rows // ROW_BLOCK)[:, None], slots
+
+
+def value_rows(cache: Int2KVCache, b: int, rows: torch.Tensor) -> torch.Tensor:
+    """The packed value codes of rows `rows` [n] of sequence b, uint8 [H_kv, n, d/4], in either layout."""
+    if cache.value_layout == "rows":
+        return cache.value_codes[b, :, rows]
+    tiles, tile, slots = _value_tiles(cache, b, rows)
+    return tiles[:, tile, slots].view(torch.uint8)
+
+
+def put_value_rows(cache: Int2KVCache, b: int, rows: torch.Tensor, packed: torch.Tensor) -> None:
+    """Store packed value codes uint8 [H_kv, n, d/4] as rows `rows` [n] of sequence b, in either layout."""
+    if cache.value_layout == "rows":
+        cache.value_codes[b, :, rows] = packed
+        return
+    tiles, tile, slots = _value_tiles(cache, b, rows)
+    tiles[:, tile, slots] = packed.contiguous().view(torch.int16)
+
+
+def _put_codes(cache: Int2KVCache, side: str, b: int, rows: torch.Tensor, packed: torch.Tensor) -> None:
+    """Store packed codes [H_kv, n, d/4] of one side as rows `rows` of sequence b."""
+    if side == "value":
+        put_value_rows(cache, b, rows, packed)
+    else:
+        cache.key_codes[b, :, rows] = packed
 
 
 def int2_rows(capacity: int, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
@@ -121,9 +172,12 @@ def int2_rows(capacity: int, sink_tokens: int = SINK_TOKENS, recent_tokens: int 
 
 def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_group_size: int = 64,
                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
-                device: str | torch.device = "cpu", key_axis: str = "token") -> Int2KVCache:
+                device: str | torch.device = "cpu", key_axis: str = "token", value_layout: str = "rows") -> Int2KVCache:
     """An empty store for up to `capacity` tokens per sequence (INT2 rows: int2_rows); key_axis "channel":
-    keys per channel over blocks of key_group_size tokens (the class docstring)."""
+    keys per channel over blocks of key_group_size tokens; value_layout "tiles": value codes in 64-row tiles
+    (the class docstring)."""
+    if value_layout not in VALUE_LAYOUTS:
+        raise ValueError(f"value_layout must be one of {VALUE_LAYOUTS}, not {value_layout!r}")
     block = key_group_size if key_axis == "channel" else 1
     rows = int2_rows(capacity, sink_tokens, recent_tokens, block)
     ring = recent_tokens + (block if key_axis == "channel" else 0)
@@ -146,7 +200,8 @@ def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_gro
         value_codes=meta(4, torch.uint8), value_scale=meta(value_group_size, torch.uint8),
         value_zero=meta(value_group_size, torch.int8),
         lengths=torch.zeros(batch, dtype=torch.int32, device=device),
-        key_group_size=key_group_size, value_group_size=value_group_size, key_axis=key_axis)
+        key_group_size=key_group_size, value_group_size=value_group_size, key_axis=key_axis,
+        value_layout=value_layout)
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
@@ -218,7 +273,7 @@ def _store_blocks(cache: Int2KVCache, b: int, old: int, keys: torch.Tensor, valu
             split = min(max(old, lo), hi)       # [lo, split) were stored before: read back from the ring
             kept = ring[b, :, (torch.arange(lo, split, device=keys.device) - s) % r].transpose(0, 1)
             leave = torch.cat([kept.float(), y[split - old:hi - old]])
-            rows = slice(lo - s, hi - s)
+            rows = torch.arange(lo - s, hi - s, device=keys.device)
             if side == "key":
                 packed, scale, zero = write_key_blocks(leave, clip, g)
                 cache.key_scale[b, :, (lo - s) // g:(hi - s) // g] = scale.transpose(0, 1)
@@ -228,7 +283,7 @@ def _store_blocks(cache: Int2KVCache, b: int, old: int, keys: torch.Tensor, valu
                 packed = quant.pack_int2(codes)
                 cache.value_scale[b, :, rows] = scale.transpose(0, 1)
                 cache.value_zero[b, :, rows] = zero.transpose(0, 1)
-            getattr(cache, f"{side}_codes")[b, :, rows] = packed.transpose(0, 1)
+            _put_codes(cache, side, b, rows, packed.transpose(0, 1))
         yb = y.to(torch.bfloat16).transpose(0, 1)
         getattr(cache, f"{side}_sink")[b, :, pos[in_sink]] = yb[:, in_sink]
         ring[b, :, (pos[in_ring] - s) % r] = yb[:, in_ring]
@@ -250,7 +305,7 @@ def _store(cache: Int2KVCache, b: int, pos: torch.Tensor, keys: torch.Tensor, va
             rows = pos[to_int2] - s
             g = getattr(cache, f"{side}_group_size")
             packed, scale, zero = write(x[to_int2], rot, getattr(layer, f"{side}_clip"), g, mean)
-            getattr(cache, f"{side}_codes")[b, :, rows] = packed.transpose(0, 1)
+            _put_codes(cache, side, b, rows, packed.transpose(0, 1))
             getattr(cache, f"{side}_scale")[b, :, rows] = scale.transpose(0, 1)
             getattr(cache, f"{side}_zero")[b, :, rows] = zero.transpose(0, 1)
 
@@ -313,7 +368,7 @@ def append(cache: Int2KVCache, keys: torch.Tensor, values: torch.Tensor, layer: 
                 g = getattr(cache, f"{side}_group_size")
                 kept = getattr(cache, f"{side}_recent")[b, :, slots].transpose(0, 1)
                 packed, scale, zero = write_int2(kept, eye, getattr(layer, f"{side}_clip"), g)
-                getattr(cache, f"{side}_codes")[b, :, rows] = packed.transpose(0, 1)
+                _put_codes(cache, side, b, rows, packed.transpose(0, 1))
                 getattr(cache, f"{side}_scale")[b, :, rows] = scale.transpose(0, 1)
                 getattr(cache, f"{side}_zero")[b, :, rows] = zero.transpose(0, 1)
         pos = torch.arange(old, final, device=keys.device)
@@ -338,7 +393,10 @@ def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]
     out = []
     for side in ("key", "value"):
         g = getattr(cache, f"{side}_group_size")
-        codes = getattr(cache, f"{side}_codes")[b, :, :n_int2]
+        if side == "key":
+            codes = cache.key_codes[b, :, :n_int2]
+        else:
+            codes = value_rows(cache, b, torch.arange(n_int2, device=cache.lengths.device))
         if side == "key" and cache.key_axis == "channel":
             int2 = read_key_blocks(codes, cache.key_scale[b, :, :n_int2 // g], cache.key_zero[b, :, :n_int2 // g], g)
         else:

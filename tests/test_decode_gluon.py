@@ -32,9 +32,9 @@ from oscar_core.triton import decode, decode_gluon
 
 shape, cubin = json.loads(sys.argv[1]), sys.argv[2]
 fn = decode_gluon._int2_split_kernel
-const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128), **shape)
+const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128, VT=False), **shape)
 const["MASK_ALL"] = decode.mask_every_tile(const["D"], const["R4"], const["NGV"])
-const["KEYS_AHEAD"] = decode.keys_ahead(const["D"], const["R4"], const["TB"], const["NGK"])
+const["KEYS_AHEAD"] = decode.keys_ahead(const["D"], const["R4"], const["TB"], const["NGK"], const.get("VT", False))
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32")
 sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}
@@ -70,6 +70,15 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=2, R4=4, STAGES=0, NGK=2, NGV=2, TB=1, D=256),
     dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=4, TB=64, D=256),
     dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=2, TB=128, D=256),
+    # Value codes in 64-row tiles (kvstore's value_layout "tiles"): 16-byte value loads, keys ahead by its rule.
+    dict(HG=4, R4=4, STAGES=0, NGK=2, NGV=2, TB=1, VT=True, stack=64),   # held to 128: no spills with triton 3.6
+    dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=2, TB=64, VT=True),
+    dict(HG=8, R4=8, STAGES=0, NGK=2, NGV=2, TB=1, VT=True),
+    dict(HG=8, R4=8, STAGES=0, NGK=1, NGV=2, TB=64, VT=True),
+    dict(HG=7, R4=8, STAGES=0, NGK=1, NGV=1, TB=64, D=64, VT=True),
+    dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=1, TB=64, D=64, VT=True),
+    dict(HKV=1, HG=4, R4=4, STAGES=0, NGK=4, NGV=4, TB=1, D=256, VT=True, stack=8),
+    dict(HG=2, R4=4, STAGES=0, NGK=1, NGV=4, TB=64, D=256, VT=True, stack=24),
 ]
 
 

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from oscar_core.kvstore import Int2KVCache
 from oscar_core.triton.launch import CachedKernel
-from oscar_core.triton.write import dot
+from oscar_core.triton.write import _code_offsets, dot
 
 LOG2E = 1.4426950408889634
 
@@ -245,11 +245,12 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
                bh, h, start, end, q_row0, log2_scale, T, slot,
                HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HGP: tl.constexpr,
                BLOCK_N: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr, ROTATE: tl.constexpr,
-               F32: tl.constexpr, TB: tl.constexpr):
+               F32: tl.constexpr, TB: tl.constexpr, VT: tl.constexpr):
     """Attention over INT2 rows [start, end) of one sequence and KV head. KEY_T computes the score tile
     transposed (tokens as rows); both orders give the same function. TB > 1: keys per channel over blocks
     of TB tokens (scale / zero codes [T/TB, D]), each tile inside one block (BLOCK_N divides TB), scored by
-    _channel_scores; GK then only stacks the query's channels as rows."""
+    _channel_scores; GK then only stacks the query's channels as rows. VT: value codes in 64-row tiles
+    (kvstore's value_layout "tiles")."""
     NGK: tl.constexpr = D // GK
     NGV: tl.constexpr = D // GV
     MK: tl.constexpr = NGK * HGP
@@ -338,7 +339,10 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
             l = l * alpha + tl.sum(p, axis=1)
         m = m_new
 
-        vp = tl.load(vc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
+        if VT:
+            vp = tl.load(vc_ptr + _code_offsets(bh.to(tl.int64) * T + n, D, True), mask=valid[:, None], other=0)
+        else:
+            vp = tl.load(vc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
         w0, w1, w2, w3 = _unpack(vp, USE_ASM)
         if KEY_T:
             vsc = tl.load(vsc_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
@@ -437,7 +441,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
                   USE_ASM: tl.constexpr, ROTATE: tl.constexpr, MERGE: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr):
+                  F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr, VT: tl.constexpr):
     """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
     finish merges (else _reduce_kernel does, in a launch of its own). TB > 1: keys per channel over blocks
     of TB tokens, a ring of R slots (kvstore.Int2KVCache)."""
@@ -463,7 +467,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
         if start < end:
             _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
                        bh, h, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, KEY_T,
-                       USE_ASM, ROTATE, F32, TB)
+                       USE_ASM, ROTATE, F32, TB, VT)
         else:
             r = tl.arange(0, HGP)
             tl.store(pm_ptr + slot * HG + r, tl.full([HGP], -1e30, tl.float32), mask=r < HG)
@@ -675,13 +679,16 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     tb = cache.token_block
     ngk = head_dim // cache.key_group_size if tb == 1 else 1
     ngv = head_dim // cache.value_group_size
-    stages = _gluon().STAGES if (head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4) else 0
+    tiles = cache.value_layout == "tiles"
+    ring = head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4 and not tiles
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
-                BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4), D=head_dim,
-                MASK_ALL=mask_every_tile(head_dim, r4, ngv), KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk))
+                BLOCK_N=64, STAGES=_gluon().STAGES if ring else 0, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
+                D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv),
+                KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles)
 
 
-def keys_ahead(head_dim: int, heads_per_program: int, token_block: int, key_groups: int) -> bool:
+def keys_ahead(head_dim: int, heads_per_program: int, token_block: int, key_groups: int,
+               value_tiles: bool = False) -> bool:
     """Whether the Gluon programs load each tile's key words during the tile before. The first key product
     waited on them (ncu, Qwen3-8B 100K x 8: 14% of the warps' stall samples on that one instruction), but
     the words take registers through the tile: only the 4-head programs have them to spare, and not the
@@ -689,7 +696,17 @@ def keys_ahead(head_dim: int, heads_per_program: int, token_block: int, key_grou
     channel. H100, 100K x 8, graph, in the tile / ahead (kernel_notes.md v17): Gemma-3-12B 0.463 / 0.445 ms,
     Gemma-3-270M 0.0943 / 0.0900, SmolLM2 (d 64, keys per channel) 0.0683 / 0.0652, Qwen3-8B with groups of
     128 0.2136 / 0.2052, keys per channel 0.2538 / 0.2516, Llama-3.2-1B 0.1289 / 0.1274; left out: Qwen3-8B
-    0.226 / 0.257, 8-head programs 1-3% slower, Gemma-3 keys per channel 2-5% slower."""
+    0.226 / 0.257, 8-head programs 1-3% slower, Gemma-3 keys per channel 2-5% slower.
+    With the value codes in tiles (value_tiles: 4 vector loads a tile where there were 32 of 2 bytes) the 8-head
+    programs with keys per token and at head_dim 64, and head_dim 256 with keys per channel, run faster ahead
+    (H200, 100K x 8, graph, tiles / tiles ahead, kernel_notes.md v18): GQA 5 0.2449 / 0.2373 ms, GQA 8 0.2488 /
+    0.2379, GQA 16 0.1339 / 0.1275, Qwen2.5-0.5B (d 64, keys per channel) 0.0567 / 0.0547, Gemma-3-12B keys per
+    channel 0.503 / 0.478; the 8-head programs with keys per channel at head_dim 128 still lose ahead (GQA 5-8
+    4-9%), and so do the 4-head ones left out above (Qwen3-8B 3%, MHA 5%)."""
+    if value_tiles and (heads_per_program == 8 and (token_block == 1 or head_dim == 64)):
+        return True
+    if value_tiles and head_dim == 256 and token_block > 1:
+        return True
     return (heads_per_program == 4 and not (head_dim == 128 and token_block == 1 and key_groups == 2)
             and not (head_dim == 256 and token_block > 1))
 
@@ -946,7 +963,8 @@ def launch_plan(q, cache, max_length=None, block_n=None, block_w=64, num_warps=N
     """The launch settings decode_attention(q, cache, ...) uses with these arguments (plan.gluon: whether the
     Gluon programs take the INT2 rows), worked out on the first call of a shape and kept in _PLANS."""
     key = (q.device, tuple(q.shape), cache.key_codes.shape[1:3], cache.key_group_size, cache.value_group_size,
-           cache.key_axis, cache.sink_tokens, cache.ring_slots, max_length, block_n, block_w, num_warps, num_stages,
+           cache.key_axis, cache.value_layout, cache.sink_tokens, cache.ring_slots, max_length, block_n, block_w,
+           num_warps, num_stages,
            waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean)
     plan = _PLANS.get(key)
     if plan is None:
@@ -1021,7 +1039,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         split_consts=dict(HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens,
                           HGP=hgp, QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16),
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
-                          F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1, num_warps=num_warps,
+                          F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1,
+                          VT=cache.value_layout == "tiles", num_warps=num_warps,
                           num_stages=num_stages),
         gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
         gluon_consts=dict(**_gluon_options(consts), **consts) if gluon else {},

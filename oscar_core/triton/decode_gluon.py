@@ -141,9 +141,9 @@ def _tile_meta4(w, RL: gl.constexpr, SIGNED: gl.constexpr):
 
 @gluon.jit
 def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: gl.constexpr,
-               NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr):
+               NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr, VT: gl.constexpr, VS: gl.constexpr):
     """Every byte of tile t0: _load_keys's words and _load_values's halves and metadata."""
-    return _load_keys(kw, t0, koff, KW, D) + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D)
+    return _load_keys(kw, t0, koff, KW, D) + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D, VT, VS)
 
 
 @gluon.jit
@@ -168,22 +168,45 @@ def _load_keys(kw, t0, koff, KW: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
+def _tile_words(x, VS: gl.constexpr):
+    """Value words [t, a, j] (lane 4a + t, j in-thread) -> [pairs u = t + 4j, a] in VS: register-only."""
+    x = gl.reshape(gl.permute(x, [2, 0, 1]), [32, x.shape[1]])
+    return gl.convert_layout(x, VS, assert_trivial=True)
+
+
+@gluon.jit
 def _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK: gl.constexpr, NGV: gl.constexpr, TB: gl.constexpr,
-                 D: gl.constexpr):
+                 D: gl.constexpr, VT: gl.constexpr, VS: gl.constexpr):
     """Tile t0's value halves joined in pairs and its metadata (with keys per channel, TB > 1, the key codes'
     places hold the value codes: the key scales are read per block by _channel_query). At head_dim 256 the
-    upper half's halves 16-31 as the lower's (otherwise vw2, vw3 repeat vw0, vw1)."""
-    vp = vh + t0 * (D // 8) + voff
-    vw0 = _pair(gl.load(vp), gl.load(vp + D))
-    if D >= 128:
-        vw1 = _pair(gl.load(vp + 8), gl.load(vp + 8 + D))
+    upper half's halves 16-31 as the lower's (otherwise vw2, vw3 repeat vw0, vw1). VT (value codes in 64-row
+    tiles, kvstore's value_layout "tiles"): lane 4a + t's pair words of half 8B + a are the 32 bytes at 16-bit
+    slot 64·(8B + a) + 16t of the tile (voff), two 16-byte loads a block, already paired; otherwise two 2-byte
+    loads a pair, 8 rows apart, joined by _pair."""
+    if VT:
+        vp = vh.to(gl.pointer_type(gl.int32)) + gl.multiple_of(t0, 64) * (D // 16) + voff
+        vw0 = _tile_words(gl.load(vp), VS)
+        if D >= 128:
+            vw1 = _tile_words(gl.load(vp + 256), VS)
+        else:
+            vw1 = vw0
+        if D == 256:
+            vw2 = _tile_words(gl.load(vp + 512), VS)
+            vw3 = _tile_words(gl.load(vp + 768), VS)
+        else:
+            vw2, vw3 = vw0, vw1
     else:
-        vw1 = vw0
-    if D == 256:
-        vw2 = _pair(gl.load(vp + 16), gl.load(vp + 16 + D))
-        vw3 = _pair(gl.load(vp + 24), gl.load(vp + 24 + D))
-    else:
-        vw2, vw3 = vw0, vw1
+        vp = vh + t0 * (D // 8) + voff
+        vw0 = _pair(gl.load(vp), gl.load(vp + D))
+        if D >= 128:
+            vw1 = _pair(gl.load(vp + 8), gl.load(vp + 8 + D))
+        else:
+            vw1 = vw0
+        if D == 256:
+            vw2 = _pair(gl.load(vp + 16), gl.load(vp + 16 + D))
+            vw3 = _pair(gl.load(vp + 24), gl.load(vp + 24 + D))
+        else:
+            vw2, vw3 = vw0, vw1
     vscb = _load_meta(vsc, t0, NGV)
     vzb = _load_meta(vz, t0, NGV)
     if TB > 1:
@@ -358,11 +381,12 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
-                       MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr):
+                       MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
-    codes as int32 words [B, H_kv, T, D/16]; vh: value codes as int16 halves [B, H_kv, T, D/8]; ksc, kz, vsc, vz:
+    codes as int32 words [B, H_kv, T, D/16]; vh: value codes as int16 halves [B, H_kv, T, D/8] (VT: in 64-row
+    tiles, kvstore.Int2KVCache; not with the ring); ksc, kz, vsc, vz:
     scale and zero codes as bytes [B, H_kv, T, NG] (NG = 2 for groups of 64 channels, 1 for 128; zeros are
     int8 read as uint8). TB > 1: keys per channel over blocks of TB tokens, ksc and kz [B, H_kv, T/TB, D],
     the block's step and zero folded into the query operands each tile (_channel_query). T must be a
@@ -480,8 +504,15 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         km1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW)).to(gl.int64)
         koff = ((8 * (km1 % 8) + km1 // 8) * 4)[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, KW))[None, :]
     vu = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL))).to(gl.int64)
-    voff = ((8 * ((2 * vu) % 8) + (2 * vu) // 8) * (D // 8))[:, None] \
-        + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL))).to(gl.int64)[None, :]
+    if VT:
+        VW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1])
+        vt_ = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, VW)))
+        va_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VW)))
+        vj_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VW)))
+        voff = (32 * va_[None, :, None] + 8 * vt_[:, None, None] + vj_[None, None, :]).to(gl.int64)
+    else:
+        voff = ((8 * ((2 * vu) % 8) + (2 * vu) // 8) * (D // 8))[:, None] \
+            + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL))).to(gl.int64)[None, :]
     xrow = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, XL))
     xtok = 8 * (xrow % 8) + xrow // 8
     # This (sequence, KV head)'s rows: key words (D/16 a row), value halves (D/8), metadata.
@@ -574,10 +605,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             async_copy.commit_group()
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
         elif KEYS_AHEAD:
-            cur = k_next + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D)
+            cur = k_next + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
             k_next = _load_keys(kw, gl.minimum(t0 + BLOCK_N, T - BLOCK_N), koff, KW, D)
         else:
-            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D)
+            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
         kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb = cur
         a0 = _key_operand(kw0, KL, a_op)
         if D >= 128:

@@ -38,6 +38,9 @@ device: which sequence has a block to move depends on its length, which only the
 launch with no host read decides it per program and a decode step stays capturable in a CUDA graph.
 Then append_kv writes the new tokens to their sink row or ring slot (p − S) mod R, with no eviction (a
 block's slots are not reused before it has left). Appends longer than W are the torch reference's.
+
+Value codes in 64-row tiles (a store whose value_layout is "tiles", kvstore.Int2KVCache): every writer stores a
+row's value bytes through _code_offsets, each 16-bit half into its tile's slot; key codes keep their rows.
 """
 
 import functools
@@ -175,13 +178,29 @@ def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: 
 
 
 @triton.jit
-def _store_int2(codes_ptr, scale_ptr, zero_ptr, base_c, base_m, y, clip, mask,
-                BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr):
-    """Quantize y [BT, D] and store row i at codes_ptr + base_c[i] (+ byte), scale/zero + base_m[i] (+ group)."""
-    packed, code, zero = _quantize(y, clip, BT, D, G, F32)
+def _tile_slot(m):
+    """kvstore.tile_slot: the 16-bit slot of tile row m (0-63) within each half's 64 slots of a value tile."""
+    return 16 * (m // 16) + 2 * (m % 8) + (m % 16) // 8
+
+
+@triton.jit
+def _code_offsets(row, D: tl.constexpr, TILED: tl.constexpr):
+    """Byte offsets [BT, D/4] of the codes of rows `row` [BT] (b·H_kv·T + h·T + r) in a store's code tensor:
+    byte j of row r at r·D/4 + j, or with TILED (value codes, value_layout "tiles") in half j div 2 of its
+    64-row tile, (r div 64)·16D + 128·(j div 2) + 2·tile_slot(r mod 64) + j mod 2."""
     j = tl.arange(0, D // 4)
+    if TILED:
+        return ((row // 64) * (16 * D) + 2 * _tile_slot(row % 64))[:, None] + (128 * (j // 2) + j % 2)[None, :]
+    return row[:, None] * (D // 4) + j[None, :]
+
+
+@triton.jit
+def _store_int2(codes_ptr, scale_ptr, zero_ptr, code_off, base_m, y, clip, mask,
+                BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr):
+    """Quantize y [BT, D] and store row i's byte j at codes_ptr + code_off[i, j], scale/zero + base_m[i] (+ group)."""
+    packed, code, zero = _quantize(y, clip, BT, D, G, F32)
     g = tl.arange(0, D // G)
-    tl.store(codes_ptr + base_c[:, None] + j[None, :], packed, mask=mask[:, None])
+    tl.store(codes_ptr + code_off, packed, mask=mask[:, None])
     tl.store(scale_ptr + base_m[:, None] + g[None, :], code, mask=mask[:, None])
     tl.store(zero_ptr + base_m[:, None] + g[None, :], zero, mask=mask[:, None])
 
@@ -214,8 +233,8 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
         t64 = t0.to(tl.int64)
         y = _rotate(x, r_hi, r_lo, start, F32)
         _store_int2(codes_ptr + (t64 * sc_t + h * sc_h), scale_ptr + (t64 * ss_t + h * ss_h),
-                    zero_ptr + (t64 * ss_t + h * ss_h), i * sc_t, i * ss_t, y, clip, t0 + i < tokens, BLOCK_T, D, G,
-                    F32)
+                    zero_ptr + (t64 * ss_t + h * ss_h), (i * sc_t)[:, None] + tl.arange(0, D // 4)[None, :], i * ss_t,
+                    y, clip, t0 + i < tokens, BLOCK_T, D, G, F32)
         if AHEAD:
             x = x_next
 
@@ -235,9 +254,9 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
                  tile, h, rows, n, t0, piece, T,
                  H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  BT: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_START: tl.constexpr, EVICT: tl.constexpr,
-                 DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr):
+                 DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, TILED: tl.constexpr):
     """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h (module docstring);
-    R ring slots (W, or W + G for keys per channel)."""
+    R ring slots (W, or W + G for keys per channel); TILED: codes in 64-row tiles (_code_offsets)."""
     NG: tl.constexpr = D // G
     c = tl.arange(0, D)
     r = tile * BT + tl.arange(0, BT)
@@ -264,7 +283,8 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
         evict = valid & (gone >= S) & (gone < length - n + first)
         kept = tl.load(ring, mask=evict[:, None], other=0.0).to(tl.float32)
         row = bh * T + gone - S
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, kept, clip, evict, BT, D, G, F32)
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, _code_offsets(row, D, TILED), row * NG, kept, clip, evict, BT, D,
+                    G, F32)
         tl.debug_barrier()   # every read of a ring slot before any write to it
     in_sink = valid & (pos < S)
     in_ring = valid & (pos >= S) & (pos >= length - W)
@@ -274,7 +294,8 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     if DIRECT:
         direct = valid & (pos >= S) & (pos < length - W)
         row = bh * T + pos - S
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, row * (D // 4), row * NG, y, clip, direct, BT, D, G, F32)
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, _code_offsets(row, D, TILED), row * NG, y, clip, direct, BT, D, G,
+                    F32)
 
 
 @triton.jit
@@ -286,8 +307,9 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                    H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                    W: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr, V_MEAN: tl.constexpr,
                    HAS_START: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr,
-                   F32: tl.constexpr, R: tl.constexpr):
-    """Grid (P, H_kv, 2): program (p, h, side) appends row tiles p, p + P, ... of one side."""
+                   F32: tl.constexpr, R: tl.constexpr, VT: tl.constexpr):
+    """Grid (P, H_kv, 2): program (p, h, side) appends row tiles p, p + P, ... of one side; VT: value codes in
+    64-row tiles."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
@@ -295,12 +317,12 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
             _append_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr,
                          ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, start_ptr,
                          tile, h, rows, n, t0, piece, T, H, D, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT,
-                         F32, R)
+                         F32, R, False)
         else:
             _append_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                          vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, start_ptr,
                          tile, h, rows, n, t0, piece, T, H, D, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT,
-                         F32, R)
+                         F32, R, VT)
 
 
 @triton.jit
@@ -317,7 +339,7 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                   codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, n, T,
                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                   R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  AHEAD: tl.constexpr, F32: tl.constexpr):
+                  AHEAD: tl.constexpr, F32: tl.constexpr, TILED: tl.constexpr):
     """One side of sequence b, KV head h: program p takes INT2 tiles p, p + P, ... of BT positions, then BF16
     tiles (sink, ring) p, p + P, ...: two loops without branches (prefill_kv)."""
     NG: tl.constexpr = D // G
@@ -386,8 +408,12 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                 x = _int2_tile(xb, k, S, first, int2_end, sx_t, D, BT)
             y = _rotate(x, r_hi, r_lo, start, F32)
             row0 = bh * T + k * BT
-            _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG, i * (D // 4),
-                        i * NG, y, clip, in_int2, BT, D, G, F32)
+            if TILED:
+                _store_int2(codes_ptr, scale_ptr + row0 * NG, zero_ptr + row0 * NG, _code_offsets(row0 + i, D, True),
+                            i * NG, y, clip, in_int2, BT, D, G, F32)
+            else:
+                _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG,
+                            _code_offsets(i, D, False), i * NG, y, clip, in_int2, BT, D, G, F32)
             if AHEAD:
                 x = x_next
     # The BF16 tiles in channel order.
@@ -417,18 +443,19 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                     len_ptr, n, T,
                     H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                     W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr,
-                    V_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr):
-    """Grid (P, B·H_kv, 2): program (p, b·H + h, side) writes tiles p, p + P, ... of one side of sequence b."""
+                    V_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr, VT: tl.constexpr):
+    """Grid (P, B·H_kv, 2): program (p, b·H + h, side) writes tiles p, p + P, ... of one side of sequence b; VT:
+    value codes in 64-row tiles."""
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
     if tl.program_id(2) == 0:
         _prefill_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, ksink_ptr, kring_ptr,
                       kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, n, T, H, D, GK, S, W, R, TB, BT,
-                      TB > 1, K_MEAN, AHEAD, F32)
+                      TB > 1, K_MEAN, AHEAD, F32, False)
     else:
         _prefill_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr, vsink_ptr, vring_ptr,
                       vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, n, T, H, D, GV, S, W, R, TB, BT,
-                      False, V_MEAN, AHEAD, F32)
+                      False, V_MEAN, AHEAD, F32, VT)
 
 
 @functools.lru_cache(maxsize=None)
@@ -516,7 +543,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
             cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles,
             H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
             K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
-            DIRECT=n > w, F32=not keys.is_cuda, R=cache.ring_slots,
+            DIRECT=n > w, F32=not keys.is_cuda, R=cache.ring_slots, VT=cache.value_layout == "tiles",
             num_warps=4 if bt <= 64 else 8)
 
 
@@ -551,7 +578,7 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
         n, cache.key_codes.shape[2], H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
-        AHEAD=ahead, F32=not keys.is_cuda, num_warps=4 if bt <= 64 else 8,
+        AHEAD=ahead, F32=not keys.is_cuda, VT=cache.value_layout == "tiles", num_warps=4 if bt <= 64 else 8,
         num_stages=num_stages, **({"maxnreg": registers} if keys.is_cuda and registers else {}))
 
 
@@ -590,7 +617,7 @@ def _pack_columns(yt, inv, zero, BT: tl.constexpr, D: tl.constexpr, F32: tl.cons
 def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
                   kclip_ptr, vclip_ptr, len_ptr, start_ptr, n, T,
                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
-                  W: tl.constexpr, R: tl.constexpr, HAS_START: tl.constexpr, F32: tl.constexpr):
+                  W: tl.constexpr, R: tl.constexpr, HAS_START: tl.constexpr, F32: tl.constexpr, VT: tl.constexpr):
     """Program (k, b·H + h, side): the k-th block of sequence b that this append of n tokens pushes out of
     the window (lengths already count them), from its G ring slots into INT2; nothing if there is none."""
     k = tl.program_id(0)
@@ -620,7 +647,7 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
             tl.store(kzero_ptr + meta, zero)
         else:
             y = tl.load(vring_ptr + slot[:, None] + c[None, :]).to(tl.float32)
-            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, row * (D // 4), row * (D // GV), y,
+            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, _code_offsets(row, D, VT), row * (D // GV), y,
                         tl.load(vclip_ptr + h), t < G, G, D, GV, F32)
 
 
@@ -639,4 +666,5 @@ def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int
         cache.lengths if starts is None else starts, n, cache.key_codes.shape[2],
         H=heads, D=d, G=g, GV=cache.value_group_size, S=cache.sink_tokens, W=cache.recent_tokens,
         R=cache.ring_slots, HAS_START=starts is not None, F32=not cache.key_codes.is_cuda,
+        VT=cache.value_layout == "tiles",
         num_warps=4 if g * d <= 8192 else 8)
