@@ -340,7 +340,9 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
         m = m_new
 
         if VT:
-            vp = tl.load(vc_ptr + _code_offsets(bh.to(tl.int64) * T + n, D, True), mask=valid[:, None], other=0)
+            halves = tl.load(vc_ptr.to(tl.pointer_type(tl.int16)) + _code_offsets(bh.to(tl.int64) * T + n, D, True),
+                             mask=valid[:, None], other=0)
+            vp = tl.reshape(tl.join(halves.to(tl.uint8), (halves >> 8).to(tl.uint8)), [BLOCK_N, DB])
         else:
             vp = tl.load(vc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
         w0, w1, w2, w3 = _unpack(vp, USE_ASM)

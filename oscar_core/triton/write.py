@@ -165,16 +165,19 @@ def _codes(y, a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr):
+def _quantize(y, clip, BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr,
+              HALVES: tl.constexpr = False):
     """quant.quantize + pack_int2 of y [BT, D] float32: (bytes uint8 [BT, D/4], scale codes uint8
-    [BT, D/G], zero codes int8 [BT, D/G]). y/step is taken as y·(1/step), which can differ from the
-    division in the last bit, so a value that close to a rounding boundary may take the other code."""
+    [BT, D/G], zero codes int8 [BT, D/G]); HALVES: the bytes two at a time, int16 [BT, D/8] (byte 2h low).
+    y/step is taken as y·(1/step), which can differ from the division in the last bit, so a value that
+    close to a rounding boundary may take the other code."""
     NG: tl.constexpr = D // G
+    PER: tl.constexpr = 8 if HALVES else 4
     yg = tl.reshape(y, [BT, NG, G])
     code, inv, zero = _group_params(tl.min(yg, axis=2), tl.max(yg, axis=2), clip, F32)
-    q = tl.reshape(_codes(yg, inv[:, :, None], -(zero * 0.25)[:, :, None], F32), [BT, D // 4, 4])
-    packed = tl.sum(q << (tl.arange(0, 4) * 2)[None, None, :], axis=2)
-    return packed.to(tl.uint8), code.to(tl.uint8), zero.to(tl.int8)
+    q = tl.reshape(_codes(yg, inv[:, :, None], -(zero * 0.25)[:, :, None], F32), [BT, D // PER, PER])
+    packed = tl.sum(q << (tl.arange(0, PER) * 2)[None, None, :], axis=2)
+    return packed.to(tl.int16 if HALVES else tl.uint8), code.to(tl.uint8), zero.to(tl.int8)
 
 
 @triton.jit
@@ -185,22 +188,27 @@ def _tile_slot(m):
 
 @triton.jit
 def _code_offsets(row, D: tl.constexpr, TILED: tl.constexpr):
-    """Byte offsets [BT, D/4] of the codes of rows `row` [BT] (b·H_kv·T + h·T + r) in a store's code tensor:
-    byte j of row r at r·D/4 + j, or with TILED (value codes, value_layout "tiles") in half j div 2 of its
-    64-row tile, (r div 64)·16D + 128·(j div 2) + 2·tile_slot(r mod 64) + j mod 2."""
-    j = tl.arange(0, D // 4)
+    """Where the codes of rows `row` [BT] (b·H_kv·T + h·T + r) go in a store's code tensor: byte j of row r at
+    byte r·D/4 + j ([BT, D/4]); with TILED (value codes, value_layout "tiles") half h of row r at 16-bit slot
+    (r div 64)·8D + 64h + tile_slot(r mod 64) ([BT, D/8])."""
     if TILED:
-        return ((row // 64) * (16 * D) + 2 * _tile_slot(row % 64))[:, None] + (128 * (j // 2) + j % 2)[None, :]
-    return row[:, None] * (D // 4) + j[None, :]
+        off = ((row // 64) * (8 * D) + _tile_slot(row % 64))[:, None] + 64 * tl.arange(0, D // 8)[None, :]
+    else:
+        off = (row * (D // 4))[:, None] + tl.arange(0, D // 4)[None, :]
+    return off
 
 
 @triton.jit
 def _store_int2(codes_ptr, scale_ptr, zero_ptr, code_off, base_m, y, clip, mask,
-                BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr):
-    """Quantize y [BT, D] and store row i's byte j at codes_ptr + code_off[i, j], scale/zero + base_m[i] (+ group)."""
-    packed, code, zero = _quantize(y, clip, BT, D, G, F32)
+                BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr, TILED: tl.constexpr = False):
+    """Quantize y [BT, D] and store row i's codes at codes_ptr + code_off[i] (_code_offsets: bytes, or with
+    TILED 16-bit halves), scale/zero + base_m[i] (+ group)."""
+    packed, code, zero = _quantize(y, clip, BT, D, G, F32, TILED)
     g = tl.arange(0, D // G)
-    tl.store(codes_ptr + code_off, packed, mask=mask[:, None])
+    if TILED:
+        tl.store(codes_ptr.to(tl.pointer_type(tl.int16)) + code_off, packed, mask=mask[:, None])
+    else:
+        tl.store(codes_ptr + code_off, packed, mask=mask[:, None])
     tl.store(scale_ptr + base_m[:, None] + g[None, :], code, mask=mask[:, None])
     tl.store(zero_ptr + base_m[:, None] + g[None, :], zero, mask=mask[:, None])
 
@@ -284,7 +292,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
         kept = tl.load(ring, mask=evict[:, None], other=0.0).to(tl.float32)
         row = bh * T + gone - S
         _store_int2(codes_ptr, scale_ptr, zero_ptr, _code_offsets(row, D, TILED), row * NG, kept, clip, evict, BT, D,
-                    G, F32)
+                    G, F32, TILED)
         tl.debug_barrier()   # every read of a ring slot before any write to it
     in_sink = valid & (pos < S)
     in_ring = valid & (pos >= S) & (pos >= length - W)
@@ -295,7 +303,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
         direct = valid & (pos >= S) & (pos < length - W)
         row = bh * T + pos - S
         _store_int2(codes_ptr, scale_ptr, zero_ptr, _code_offsets(row, D, TILED), row * NG, y, clip, direct, BT, D, G,
-                    F32)
+                    F32, TILED)
 
 
 @triton.jit
@@ -409,8 +417,11 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
             y = _rotate(x, r_hi, r_lo, start, F32)
             row0 = bh * T + k * BT
             if TILED:
-                _store_int2(codes_ptr, scale_ptr + row0 * NG, zero_ptr + row0 * NG, _code_offsets(row0 + i, D, True),
-                            i * NG, y, clip, in_int2, BT, D, G, F32)
+                # 64-bit offsets once a tile, to the 64-row tile that holds row0, 32-bit ones from it.
+                tile0 = (row0 // 64) * (16 * D)
+                _store_int2(codes_ptr + tile0, scale_ptr + row0 * NG, zero_ptr + row0 * NG,
+                            _code_offsets((row0 % 64).to(tl.int32) + i, D, True), i * NG, y, clip, in_int2, BT, D, G,
+                            F32, True)
             else:
                 _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG,
                             _code_offsets(i, D, False), i * NG, y, clip, in_int2, BT, D, G, F32)
@@ -648,7 +659,7 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
         else:
             y = tl.load(vring_ptr + slot[:, None] + c[None, :]).to(tl.float32)
             _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, _code_offsets(row, D, VT), row * (D // GV), y,
-                        tl.load(vclip_ptr + h), t < G, G, D, GV, F32)
+                        tl.load(vclip_ptr + h), t < G, G, D, GV, F32, VT)
 
 
 def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int,
