@@ -62,6 +62,9 @@ def qwen3_model(layers: int, name: str = "Qwen3-8B"):
     return model.eval()
 
 
+VALUE_LAYOUT = ["rows"]     # --value-layout: the INT2 stores' value codes (kvstore.Int2KVCache)
+
+
 def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = "token", heads: int = 32):
     """The bundle fields OscarCache reads: random orthogonal R_K, R_V, means and clips per layer, keys of every
     layer per token or per channel (over blocks of 64 tokens)."""
@@ -104,7 +107,7 @@ def make_cache(arm: str, model, bundle, batch: int, context: int, steps: int):
         for i in range(layers):
             cache.update(k, v, i, {"cache_position": pos})
     else:
-        cache = OscarCache(bundle, "oscar", capacity=context + steps + 8)
+        cache = OscarCache(bundle, "oscar", capacity=context + steps + 8, value_layout=VALUE_LAYOUT[0])
         for i in range(layers):
             cache.update(k, v, i)              # outside oscar_attention: written at once, write.prefill_kv
     torch.cuda.synchronize()
@@ -183,7 +186,8 @@ def time_prefill(model, bundle, arm: str, context: int, batch: int = 1) -> dict:
     out = {}
     with torch.inference_mode():
         for rep in range(2):                       # the first run compiles the Triton kernels
-            cache = DynamicCache() if arm == "bf16-dynamic" else OscarCache(bundle, "oscar", capacity=context + 64)
+            cache = (DynamicCache() if arm == "bf16-dynamic"
+                     else OscarCache(bundle, "oscar", capacity=context + 64, value_layout=VALUE_LAYOUT[0]))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             if isinstance(cache, OscarCache):
@@ -256,15 +260,18 @@ def main():
     p.add_argument("--key-axis", default="token", choices=("token", "channel"), help="the bundle's keys, every layer")
     p.add_argument("--quick", action="store_true",
                    help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill or max batch)")
+    p.add_argument("--value-layout", default="rows", choices=("rows", "tiles"),
+                   help="how the INT2 stores keep their value codes (kvstore.Int2KVCache)")
     args = p.parse_args()
     args.layers = args.layers or SHAPES[args.model]["layers"]
+    VALUE_LAYOUT[0] = args.value_layout
 
     props = torch.cuda.get_device_properties(0)
     t0 = time.perf_counter()
     model = qwen3_model(args.layers, args.model)
     bundle = random_bundle(args.layers, key_axis=args.key_axis, heads=SHAPES[args.model]["num_attention_heads"])
     weights = torch.cuda.memory_allocated()
-    res = dict(model=args.model, key_axis=args.key_axis, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
+    res = dict(model=args.model, key_axis=args.key_axis, value_layout=args.value_layout, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
                torch=torch.__version__, layers=args.layers, steps=args.steps, build_s=time.perf_counter() - t0,
                date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     import transformers
@@ -312,7 +319,7 @@ def main():
 def render(res: dict) -> str:
     lines = [f"# Serving: decode steps through BF16 caches and the INT2 OscarCache ({res['device']})", "",
              f"- {res['date']}; {res['versions']}; model: random-initialised {res.get('model', 'Qwen3-8B')} shapes, {res['layers']} layers, keys per "
-             f"{res.get('key_axis', 'token')}, "
+             f"{res.get('key_axis', 'token')}, value codes in {res.get('value_layout', 'rows')}, "
              f"weights {res['weights_gib']:.1f} GiB of {res['total_gib']:.1f} GiB", "",
              "| context x batch | arm | ms / step | tokens/s | peak GiB | note |", "|---|---|---|---|---|---|"]
     for r in res["points"]:

@@ -172,7 +172,8 @@ class OscarLayer(DynamicLayer):
 
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
-                 query_heads: int | None = None, counts: bool | None = None, window: int | None = None):
+                 query_heads: int | None = None, counts: bool | None = None, window: int | None = None,
+                 value_layout: str = "rows"):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.window = window        # a sliding layer's window: a SideStore trimmed to it, read by torch
@@ -182,6 +183,7 @@ class OscarLayer(DynamicLayer):
         self.sink_tokens, self.recent_tokens = sink, recent
         self.sequences = sequences or Sequences()
         self.kernel_writes = kernel_writes    # None: on CUDA
+        self.value_layout = value_layout      # the INT2 store's value codes (kvstore.Int2KVCache)
         self.key_store = self.value_store = None    # SideStore mode (bf16, kivi)
         self.store: kvstore.Int2KVCache | None = None
         self.seen = 0
@@ -241,7 +243,7 @@ class OscarLayer(DynamicLayer):
         if self.store is not None and self.store.key_codes.shape[2] >= rows:
             return
         new = kvstore.empty_cache(batch, *self.shape, cap, *self.group_sizes, self.sink_tokens, self.recent_tokens,
-                                  device=self.device, key_axis=self.key_axis)
+                                  device=self.device, key_axis=self.key_axis, value_layout=self.value_layout)
         new.lengths = self.sequences.lengths
         if self.store is not None:
             for f in dataclasses.fields(kvstore.Int2KVCache):
@@ -395,11 +397,13 @@ class OscarCache(Cache):
     kernel_reads: whether oscar_attention reads decode steps by the Triton kernel; None: when the model
     is on CUDA (True forces it, e.g. on the CPU under TRITON_INTERPRET=1; False: torch reads always).
     kernel_writes: whether stores are written by the Triton kernel; None: on CUDA.
+    value_layout: how the INT2 stores keep their value codes, "rows" or "tiles" (kvstore.Int2KVCache: the same
+    bytes, read by the decode kernels with 16-byte loads; measured faster, not yet the default).
     """
 
     def __init__(self, bundle=None, method: str = "oscar", num_layers: int | None = None, config=None,
                  sink_tokens: int | None = None, recent_tokens: int | None = None, kernel_reads: bool | None = None,
-                 capacity: int | None = None, kernel_writes: bool | None = None):
+                 capacity: int | None = None, kernel_writes: bool | None = None, value_layout: str = "rows"):
         methods.check_method(method)
         if method == "oscar" and bundle is None:
             raise OscarError("OscarCache(method='oscar') needs a rotation bundle")
@@ -412,6 +416,9 @@ class OscarCache(Cache):
                 raise OscarError("OscarCache needs a bundle, num_layers or config")
         if capacity is not None and capacity < 1:
             raise OscarError(f"OscarCache capacity must be a positive number of tokens, not {capacity}")
+        if value_layout not in kvstore.VALUE_LAYOUTS:
+            raise OscarError(f"OscarCache value_layout must be one of {', '.join(kvstore.VALUE_LAYOUTS)}, "
+                             f"not {value_layout!r}")
         sink, recent = methods.windows(method, bundle)
         sink = sink if sink_tokens is None else sink_tokens
         recent = recent if recent_tokens is None else recent_tokens
@@ -427,7 +434,7 @@ class OscarCache(Cache):
         super().__init__(layers=[
             state_layer() if not s.kv_cache else RingLayer(s.window) if ring[i] else
             OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, counts=i == first,
-                       window=s.window)
+                       window=s.window, value_layout=value_layout)
             for i, s in enumerate(specs[:num_layers])])
 
     @property

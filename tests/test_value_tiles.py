@@ -2,6 +2,7 @@
 reader of the store (the torch reference, the Triton write and decode kernels through Triton's interpreter, the
 Gluon programs on a GPU) giving what it gives with the row layout."""
 
+import contextlib
 import importlib
 import os
 import sys
@@ -166,3 +167,28 @@ def test_gluon_programs_read_tiles_as_rows(d, heads, kv_heads, group, axis):
     assert torch.equal(outs[0], outs[1])
     err = (outs[1].cpu().float() - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert err.max() < 1e-2, err
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_oscar_cache_decodes_the_same_with_tiles(kernel):
+    """OscarCache(value_layout="tiles") through a model's decode steps (torch writes and reads, or the Triton
+    kernels'): the same logits as rows, bit for bit, with stores that grow past their first capacity."""
+    from test_cache_kernel import LAYERS, decode_logits, random_bundle, tiny_llama
+
+    from oscar_core.cache import OscarCache, oscar_attention
+    from oscar_core.errors import OscarError
+
+    model = tiny_llama()
+    bundle = random_bundle(4, 16, channel_layers=(1,))
+    ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    logits = []
+    for layout in kvstore.VALUE_LAYOUTS:
+        cache = OscarCache(bundle, "oscar", num_layers=LAYERS, sink_tokens=4, recent_tokens=16, kernel_reads=kernel,
+                           kernel_writes=kernel, capacity=102, value_layout=layout)
+        with oscar_attention(model, cache) if kernel else contextlib.nullcontext():
+            logits.append(decode_logits(model, cache, ids, steps=5))
+        assert all(layer.store.value_layout == layout for layer in cache.kv_layers)
+        assert cache.kv_layers[0].store.key_codes.shape[2] > kvstore.int2_rows(102, 4, 16)      # grown
+    assert torch.equal(logits[0], logits[1])
+    with pytest.raises(OscarError, match="value_layout"):
+        OscarCache(bundle, "oscar", num_layers=LAYERS, value_layout="columns")
