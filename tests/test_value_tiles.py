@@ -3,26 +3,16 @@ reader of the store (the torch reference, the Triton write and decode kernels th
 Gluon programs on a GPU) giving what it gives with the row layout."""
 
 import contextlib
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
 
-triton = pytest.importorskip("triton")
+# The kernel modules as test_triton_kernels prepares them (through Triton's interpreter where there is no GPU).
+from test_triton_kernels import DEVICE, decode, write  # noqa: E402
 
 from oscar_core import kvstore  # noqa: E402
-from oscar_core.triton import decode, write  # noqa: E402
-
-if not torch.cuda.is_available() and not isinstance(decode._split_kernel, triton.runtime.interpreter.InterpretedFunction):
-    write = importlib.reload(sys.modules["oscar_core.triton.write"])
-    decode = importlib.reload(sys.modules["oscar_core.triton.decode"])
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_tile_slots_put_each_half_where_the_docstring_says():
