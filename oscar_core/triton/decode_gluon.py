@@ -503,7 +503,6 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     else:
         km1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW)).to(gl.int64)
         koff = ((8 * (km1 % 8) + km1 // 8) * 4)[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, KW))[None, :]
-    vu = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL))).to(gl.int64)
     if VT:
         # Tiles: word j of lane 4a + t at 32-bit word 32a + 8t + j of block 0's halves (16-bit slots 64a + 16t + 2j
         # and + 1: tile rows 16t + j and 16t + 8 + j), [t, a, j] with j in-thread: two 16-byte loads.
@@ -513,6 +512,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         wj = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VW)))
         voff = (32 * wa[None, :, None] + 8 * wt[:, None, None] + wj[None, None, :]).to(gl.int64)
     else:
+        vu = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL))).to(gl.int64)
         voff = ((8 * ((2 * vu) % 8) + (2 * vu) // 8) * (D // 8))[:, None] \
             + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL))).to(gl.int64)[None, :]
     xrow = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, XL))
