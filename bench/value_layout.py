@@ -2,8 +2,9 @@
 every shape class, CUDA-graph replay, in one process.
 
 For each shape class of bench/shapes.py at 100K x 8 (and the Qwen3-8B points of the issue's targets):
-1. the two layouts hold the same codes (a ragged batch prefilled by kvstore.prefill into each): decode_attention's
-   outputs over them must be bit-identical, and within 1e-2 of the reference;
+1. the two layouts hold the same codes (a ragged batch prefilled into each by the Triton write kernel, write.prefill_kv,
+   as OscarCache writes on CUDA): the value codes row by row and decode_attention's outputs over the two stores must be
+   bit-identical, and the outputs within 1e-2 of the reference;
 2. time: a store of random codes (the time does not depend on them) in each layout, decode_attention as a graph
    replay (bench/kernel.py graph_bench, L2 cleared before each), best of 3 interleaved rounds.
 Imports only torch, triton and oscar_core's torch-only modules, so it runs on a bare GPU image:
@@ -23,26 +24,36 @@ import shapes  # noqa: E402
 from kernel import graph_bench  # noqa: E402
 
 from oscar_core import kvstore  # noqa: E402
-from oscar_core.triton import decode  # noqa: E402
+from oscar_core.triton import decode, write  # noqa: E402
 
 QWEN3_8B_POINTS = [(100_000, 32), (100_000, 1), (32768, 8), (16384, 8), (16384, 1)]
 
 
 def same_outputs(shape, gen) -> str:
-    """'equal' when decode_attention gives the same bits over both layouts of one prefilled store, else why not."""
+    """'equal' when both layouts of one prefilled store hold the same value codes row by row and decode_attention
+    gives the same bits over them, else what differs."""
     _, heads, kv_heads, d, gk, gv, axis = shape
     layer = shapes.layer_of(kv_heads, d, gen)
     bsz, longest = len(shapes.RAGGED), max(shapes.RAGGED)
-    keys = (torch.randn(bsz, longest, kv_heads, d, generator=gen, device="cuda") + layer.key_mean).bfloat16()
-    values = (torch.randn(bsz, longest, kv_heads, d, generator=gen, device="cuda") + layer.value_mean).bfloat16()
+    # Left-padded [B, H_kv, n, d]: sequence b's tokens are the last RAGGED[b].
+    keys = (torch.randn(bsz, kv_heads, longest, d, generator=gen, device="cuda") + layer.key_mean[:, None]).bfloat16()
+    values = (torch.randn(bsz, kv_heads, longest, d, generator=gen, device="cuda")
+              + layer.value_mean[:, None]).bfloat16()
     q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
-    outs = []
+    splits = (write.prepare_rotation(layer.key_rotation, layer.key_mean),
+              write.prepare_rotation(layer.value_rotation, layer.value_mean))
+    stores, outs = [], []
     for layout in kvstore.VALUE_LAYOUTS:
         cache = kvstore.empty_cache(bsz, kv_heads, d, longest, gk, gv, device="cuda", key_axis=axis,
                                     value_layout=layout)
-        kvstore.prefill(cache, keys, values, torch.tensor(shapes.RAGGED, device="cuda"), layer)
+        cache.lengths.copy_(torch.tensor(shapes.RAGGED))
+        write.prefill_kv(cache, keys, values, *splits, layer.key_clip, layer.value_clip)
+        stores.append(cache)
         outs.append(decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
                                             d ** -0.5))
+    rows = torch.arange(cache.value_codes.shape[2], device="cuda")
+    if not all(torch.equal(kvstore.value_rows(stores[1], b, rows), stores[0].value_codes[b]) for b in range(bsz)):
+        return "value codes differ"
     ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
                                              d ** -0.5)
     err = shapes.rel_err(outs[1], ref)
@@ -84,9 +95,9 @@ def main():
     lines = ["# Value codes in 64-row tiles against rows (bench/value_layout.py)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; GPU: {props.name}; torch "
              f"{torch.__version__}, triton {triton.__version__}",
-             "- outputs: decode_attention over one ragged batch prefilled into each layout (bit-identical expected), "
-             "err: tiles against kvstore.decode_attention_reference; time: graph replay, best of 3 interleaved rounds, "
-             "random stores", "", "| shape | outputs |", "|---|---|"]
+             "- outputs: one ragged batch prefilled into each layout by write.prefill_kv, its value codes row by row and "
+             "decode_attention over it (bit-identical expected), err: tiles against kvstore.decode_attention_reference; "
+             "time: graph replay, best of 3 interleaved rounds, random stores", "", "| shape | outputs |", "|---|---|"]
     for shape in chosen:
         lines.append(f"| {shape[0]} | {same_outputs(shape, gen)} |")
         print(lines[-1], flush=True)
