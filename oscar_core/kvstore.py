@@ -98,6 +98,11 @@ class Int2KVCache:
         return self.key_group_size if self.key_axis == "channel" else 1
 
     @property
+    def value_tiles(self) -> bool:
+        """Whether the value codes are in 64-row tiles (value_layout "tiles")."""
+        return self.value_layout == "tiles"
+
+    @property
     def sink_tokens(self) -> int:
         return self.key_sink.shape[2]
 
@@ -137,7 +142,7 @@ def _value_tiles(cache: Int2KVCache, b: int, rows: torch.Tensor):
 
 def value_rows(cache: Int2KVCache, b: int, rows: torch.Tensor) -> torch.Tensor:
     """The packed value codes of rows `rows` [n] of sequence b, uint8 [H_kv, n, d/4], in either layout."""
-    if cache.value_layout == "rows":
+    if not cache.value_tiles:
         return cache.value_codes[b, :, rows]
     tiles, tile, slots = _value_tiles(cache, b, rows)
     return tiles[:, tile, slots].view(torch.uint8)
@@ -145,7 +150,7 @@ def value_rows(cache: Int2KVCache, b: int, rows: torch.Tensor) -> torch.Tensor:
 
 def put_value_rows(cache: Int2KVCache, b: int, rows: torch.Tensor, packed: torch.Tensor) -> None:
     """Store packed value codes uint8 [H_kv, n, d/4] as rows `rows` [n] of sequence b, in either layout."""
-    if cache.value_layout == "rows":
+    if not cache.value_tiles:
         cache.value_codes[b, :, rows] = packed
         return
     tiles, tile, slots = _value_tiles(cache, b, rows)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from oscar_core.kvstore import Int2KVCache
 from oscar_core.triton.launch import CachedKernel
-from oscar_core.triton.write import _code_offsets, dot
+from oscar_core.triton.write import code_offsets, dot
 
 LOG2E = 1.4426950408889634
 
@@ -340,7 +340,7 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
         m = m_new
 
         if VT:
-            halves = tl.load(vc_ptr.to(tl.pointer_type(tl.int16)) + _code_offsets(bh.to(tl.int64) * T + n, D, True),
+            halves = tl.load(vc_ptr.to(tl.pointer_type(tl.int16)) + code_offsets(bh.to(tl.int64) * T + n, D, True),
                              mask=valid[:, None], other=0)
             vp = tl.reshape(tl.join(halves.to(tl.uint8), (halves >> 8).to(tl.uint8)), [BLOCK_N, DB])
         else:
@@ -681,7 +681,7 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     tb = cache.token_block
     ngk = head_dim // cache.key_group_size if tb == 1 else 1
     ngv = head_dim // cache.value_group_size
-    tiles = cache.value_layout == "tiles"
+    tiles = cache.value_tiles
     ring = head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4 and not tiles
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
                 BLOCK_N=64, STAGES=_gluon().STAGES if ring else 0, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
@@ -1042,7 +1042,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           HGP=hgp, QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16),
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
                           F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1,
-                          VT=cache.value_layout == "tiles", num_warps=num_warps,
+                          VT=cache.value_tiles, num_warps=num_warps,
                           num_stages=num_stages),
         gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
         gluon_consts=dict(**_gluon_options(consts), **consts) if gluon else {},

@@ -40,7 +40,7 @@ Then append_kv writes the new tokens to their sink row or ring slot (p − S) mo
 block's slots are not reused before it has left). Appends longer than W are the torch reference's.
 
 Value codes in 64-row tiles (a store whose value_layout is "tiles", kvstore.Int2KVCache): every writer stores a
-row's value bytes through _code_offsets, each 16-bit half into its tile's slot; key codes keep their rows.
+row's value bytes through code_offsets, each 16-bit half into its tile's slot; key codes keep their rows.
 """
 
 import functools
@@ -187,7 +187,7 @@ def _tile_slot(m):
 
 
 @triton.jit
-def _code_offsets(row, D: tl.constexpr, TILED: tl.constexpr):
+def code_offsets(row, D: tl.constexpr, TILED: tl.constexpr):
     """Where the codes of rows `row` [BT] (b·H_kv·T + h·T + r) go in a store's code tensor: byte j of row r at
     byte r·D/4 + j ([BT, D/4]); with TILED (value codes, value_layout "tiles") half h of row r at 16-bit slot
     (r div 64)·8D + 64h + tile_slot(r mod 64) ([BT, D/8])."""
@@ -201,14 +201,11 @@ def _code_offsets(row, D: tl.constexpr, TILED: tl.constexpr):
 @triton.jit
 def _store_int2(codes_ptr, scale_ptr, zero_ptr, code_off, base_m, y, clip, mask,
                 BT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, F32: tl.constexpr, TILED: tl.constexpr = False):
-    """Quantize y [BT, D] and store row i's codes at codes_ptr + code_off[i] (_code_offsets: bytes, or with
+    """Quantize y [BT, D] and store row i's codes at codes_ptr + code_off[i] (code_offsets: bytes, or with
     TILED 16-bit halves), scale/zero + base_m[i] (+ group)."""
     packed, code, zero = _quantize(y, clip, BT, D, G, F32, TILED)
     g = tl.arange(0, D // G)
-    if TILED:
-        tl.store(codes_ptr.to(tl.pointer_type(tl.int16)) + code_off, packed, mask=mask[:, None])
-    else:
-        tl.store(codes_ptr + code_off, packed, mask=mask[:, None])
+    tl.store(codes_ptr.to(tl.pointer_type(packed.dtype)) + code_off, packed, mask=mask[:, None])
     tl.store(scale_ptr + base_m[:, None] + g[None, :], code, mask=mask[:, None])
     tl.store(zero_ptr + base_m[:, None] + g[None, :], zero, mask=mask[:, None])
 
@@ -264,7 +261,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
                  BT: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_START: tl.constexpr, EVICT: tl.constexpr,
                  DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, TILED: tl.constexpr):
     """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h (module docstring);
-    R ring slots (W, or W + G for keys per channel); TILED: codes in 64-row tiles (_code_offsets)."""
+    R ring slots (W, or W + G for keys per channel); TILED: codes in 64-row tiles (code_offsets)."""
     NG: tl.constexpr = D // G
     c = tl.arange(0, D)
     r = tile * BT + tl.arange(0, BT)
@@ -291,7 +288,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
         evict = valid & (gone >= S) & (gone < length - n + first)
         kept = tl.load(ring, mask=evict[:, None], other=0.0).to(tl.float32)
         row = bh * T + gone - S
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, _code_offsets(row, D, TILED), row * NG, kept, clip, evict, BT, D,
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, code_offsets(row, D, TILED), row * NG, kept, clip, evict, BT, D,
                     G, F32, TILED)
         tl.debug_barrier()   # every read of a ring slot before any write to it
     in_sink = valid & (pos < S)
@@ -302,7 +299,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     if DIRECT:
         direct = valid & (pos >= S) & (pos < length - W)
         row = bh * T + pos - S
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, _code_offsets(row, D, TILED), row * NG, y, clip, direct, BT, D, G,
+        _store_int2(codes_ptr, scale_ptr, zero_ptr, code_offsets(row, D, TILED), row * NG, y, clip, direct, BT, D, G,
                     F32, TILED)
 
 
@@ -416,15 +413,14 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                 x = _int2_tile(xb, k, S, first, int2_end, sx_t, D, BT)
             y = _rotate(x, r_hi, r_lo, start, F32)
             row0 = bh * T + k * BT
+            # 64-bit offsets to the tile's first row (tiled codes: to the 64-row tile that holds it), 32-bit ones
+            # from there.
             if TILED:
-                # 64-bit offsets once a tile, to the 64-row tile that holds row0, 32-bit ones from it.
-                tile0 = (row0 // 64) * (16 * D)
-                _store_int2(codes_ptr + tile0, scale_ptr + row0 * NG, zero_ptr + row0 * NG,
-                            _code_offsets((row0 % 64).to(tl.int32) + i, D, True), i * NG, y, clip, in_int2, BT, D, G,
-                            F32, True)
+                base, local = (row0 // 64) * (16 * D), (row0 % 64).to(tl.int32) + i
             else:
-                _store_int2(codes_ptr + row0 * (D // 4), scale_ptr + row0 * NG, zero_ptr + row0 * NG,
-                            _code_offsets(i, D, False), i * NG, y, clip, in_int2, BT, D, G, F32)
+                base, local = row0 * (D // 4), i
+            _store_int2(codes_ptr + base, scale_ptr + row0 * NG, zero_ptr + row0 * NG, code_offsets(local, D, TILED),
+                        i * NG, y, clip, in_int2, BT, D, G, F32, TILED)
             if AHEAD:
                 x = x_next
     # The BF16 tiles in channel order.
@@ -554,7 +550,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
             cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles,
             H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
             K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
-            DIRECT=n > w, F32=not keys.is_cuda, R=cache.ring_slots, VT=cache.value_layout == "tiles",
+            DIRECT=n > w, F32=not keys.is_cuda, R=cache.ring_slots, VT=cache.value_tiles,
             num_warps=4 if bt <= 64 else 8)
 
 
@@ -589,7 +585,7 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
         n, cache.key_codes.shape[2], H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
-        AHEAD=ahead, F32=not keys.is_cuda, VT=cache.value_layout == "tiles", num_warps=4 if bt <= 64 else 8,
+        AHEAD=ahead, F32=not keys.is_cuda, VT=cache.value_tiles, num_warps=4 if bt <= 64 else 8,
         num_stages=num_stages, **({"maxnreg": registers} if keys.is_cuda and registers else {}))
 
 
@@ -658,7 +654,7 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
             tl.store(kzero_ptr + meta, zero)
         else:
             y = tl.load(vring_ptr + slot[:, None] + c[None, :]).to(tl.float32)
-            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, _code_offsets(row, D, VT), row * (D // GV), y,
+            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, code_offsets(row, D, VT), row * (D // GV), y,
                         tl.load(vclip_ptr + h), t < G, G, D, GV, F32, VT)
 
 
@@ -677,5 +673,5 @@ def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int
         cache.lengths if starts is None else starts, n, cache.key_codes.shape[2],
         H=heads, D=d, G=g, GV=cache.value_group_size, S=cache.sink_tokens, W=cache.recent_tokens,
         R=cache.ring_slots, HAS_START=starts is not None, F32=not cache.key_codes.is_cuda,
-        VT=cache.value_layout == "tiles",
+        VT=cache.value_tiles,
         num_warps=4 if g * d <= 8192 else 8)
