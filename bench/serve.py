@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
+from oscar_core import kvstore
 from oscar_core.cache import OscarCache, memory_plan
 from oscar_core.decode_graph import GreedyDecoder
 
@@ -62,7 +63,7 @@ def qwen3_model(layers: int, name: str = "Qwen3-8B"):
     return model.eval()
 
 
-VALUE_LAYOUT = ["rows"]     # --value-layout: the INT2 stores' value codes (kvstore.Int2KVCache)
+VALUE_LAYOUT = [kvstore.DEFAULT_VALUE_LAYOUT]     # --value-layout: the INT2 stores' value codes (kvstore.Int2KVCache)
 
 
 def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = "token", heads: int = 32):
@@ -260,7 +261,7 @@ def main():
     p.add_argument("--key-axis", default="token", choices=("token", "channel"), help="the bundle's keys, every layer")
     p.add_argument("--quick", action="store_true",
                    help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill or max batch)")
-    p.add_argument("--value-layout", default="rows", choices=("rows", "tiles"),
+    p.add_argument("--value-layout", default=kvstore.DEFAULT_VALUE_LAYOUT, choices=kvstore.VALUE_LAYOUTS,
                    help="how the INT2 stores keep their value codes (kvstore.Int2KVCache)")
     args = p.parse_args()
     args.layers = args.layers or SHAPES[args.model]["layers"]

@@ -52,7 +52,7 @@ SHAPES = [  # label, query heads, KV heads, head_dim, key group (or block), valu
 ]
 SIZES = [(16384, 1), (16384, 8), (100_000, 8)]
 RAGGED = [7, 700, 4097, 12345]
-VALUE_LAYOUT = ["rows"]     # --value-layout: every store this run builds
+VALUE_LAYOUT = [kvstore.DEFAULT_VALUE_LAYOUT]     # --value-layout: every store this run builds
 
 
 def layer_of(kv_heads, d, gen):
@@ -217,7 +217,7 @@ def main():
     ap.add_argument("--sizes", default=",".join(f"{c}x{b}" for c, b in SIZES),
                     help="context x batch points, comma separated")
     ap.add_argument("--no-time", action="store_true", help="errors only")
-    ap.add_argument("--value-layout", default="rows", choices=kvstore.VALUE_LAYOUTS)
+    ap.add_argument("--value-layout", default=kvstore.DEFAULT_VALUE_LAYOUT, choices=kvstore.VALUE_LAYOUTS)
     args = ap.parse_args()
     VALUE_LAYOUT[0] = args.value_layout
     gen = torch.Generator("cuda").manual_seed(0)

@@ -173,7 +173,7 @@ class OscarLayer(DynamicLayer):
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
                  query_heads: int | None = None, counts: bool | None = None, window: int | None = None,
-                 value_layout: str = "rows"):
+                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.window = window        # a sliding layer's window: a SideStore trimmed to it, read by torch
@@ -397,13 +397,14 @@ class OscarCache(Cache):
     kernel_reads: whether oscar_attention reads decode steps by the Triton kernel; None: when the model
     is on CUDA (True forces it, e.g. on the CPU under TRITON_INTERPRET=1; False: torch reads always).
     kernel_writes: whether stores are written by the Triton kernel; None: on CUDA.
-    value_layout: how the INT2 stores keep their value codes, "rows" or "tiles" (kvstore.Int2KVCache: the same
-    bytes, read by the decode kernels with 16-byte loads; measured faster, not yet the default).
+    value_layout: how the INT2 stores keep their value codes, "tiles" (the default) or "rows" (kvstore.Int2KVCache:
+    the same bytes; in tiles the decode kernels read them with 16-byte loads, faster on every shape measured).
     """
 
     def __init__(self, bundle=None, method: str = "oscar", num_layers: int | None = None, config=None,
                  sink_tokens: int | None = None, recent_tokens: int | None = None, kernel_reads: bool | None = None,
-                 capacity: int | None = None, kernel_writes: bool | None = None, value_layout: str = "rows"):
+                 capacity: int | None = None, kernel_writes: bool | None = None,
+                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT):
         methods.check_method(method)
         if method == "oscar" and bundle is None:
             raise OscarError("OscarCache(method='oscar') needs a rotation bundle")

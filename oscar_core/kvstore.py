@@ -65,7 +65,7 @@ class Int2KVCache:
     and the BF16 ring tokens are positions S + n_int2 .. L − 1 (at most W + G − 1, so a block that
     leaves and the token that pushes it out never share a slot). T is a multiple of G.
 
-    value_layout "tiles" (an option, not yet the default) changes where value_codes keeps its bytes: each
+    value_layout "tiles" (the default; "rows" is the layout above) changes where value_codes keeps its bytes: each
     tile of 64 rows (rows 64k .. 64k + 63 of one sequence and KV head, the same bytes as in "rows") holds its
     16-bit halves half-major, half h (channels 8h .. 8h + 7) of tile row m at 16-bit slot 64h + tile_slot(m),
     tile_slot(m) = 16·(m div 16) + 2·(m mod 8) + (m mod 16) div 8. So the 16 rows 16i .. 16i + 15 of one half
@@ -87,7 +87,7 @@ class Int2KVCache:
     key_group_size: int = 64
     value_group_size: int = 64
     key_axis: str = "token"
-    value_layout: str = "rows"
+    value_layout: str = "tiles"     # DEFAULT_VALUE_LAYOUT
     # CUDA graphs of eager decode calls over this store (triton.decode.decode_attention keeps them here, so
     # they go with the store's tensors they read).
     graphs: dict = field(default_factory=dict, repr=False, compare=False)
@@ -122,6 +122,9 @@ class Int2KVCache:
 
 ROW_BLOCK = 64
 VALUE_LAYOUTS = ("rows", "tiles")
+# Tiles: the Gluon decode programs load a lane's value words 16 bytes at a time, faster on every shape class (H100,
+# 100K x 8, graph: 0-12%, bench/results/shapes.md against kernel_notes.md v18), the same bytes and outputs.
+DEFAULT_VALUE_LAYOUT = "tiles"
 
 
 def tile_slot(m: torch.Tensor) -> torch.Tensor:
@@ -145,7 +148,10 @@ def value_rows(cache: Int2KVCache, b: int, rows: torch.Tensor) -> torch.Tensor:
     if not cache.value_tiles:
         return cache.value_codes[b, :, rows]
     tiles, tile, slots = _value_tiles(cache, b, rows)
-    return tiles[:, tile, slots].view(torch.uint8)
+    picked = tiles[:, tile, slots]
+    if picked.numel() == 0:     # no rows: its strides may not allow the byte view
+        picked = picked.clone(memory_format=torch.contiguous_format)
+    return picked.view(torch.uint8)
 
 
 def put_value_rows(cache: Int2KVCache, b: int, rows: torch.Tensor, packed: torch.Tensor) -> None:
@@ -177,7 +183,8 @@ def int2_rows(capacity: int, sink_tokens: int = SINK_TOKENS, recent_tokens: int 
 
 def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_group_size: int = 64,
                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
-                device: str | torch.device = "cpu", key_axis: str = "token", value_layout: str = "rows") -> Int2KVCache:
+                device: str | torch.device = "cpu", key_axis: str = "token",
+                value_layout: str = DEFAULT_VALUE_LAYOUT) -> Int2KVCache:
     """An empty store for up to `capacity` tokens per sequence (INT2 rows: int2_rows); key_axis "channel":
     keys per channel over blocks of key_group_size tokens; value_layout "tiles": value codes in 64-row tiles
     (the class docstring)."""

@@ -52,7 +52,8 @@ def original_space_attention(q, cache, layer, scaling):
                 r = p - S
                 k = quant.dequantize(quant.unpack_int2(cache.key_codes[b, :, r]), cache.key_scale[b, :, r],
                                      cache.key_zero[b, :, r], cache.key_group_size)
-                v = quant.dequantize(quant.unpack_int2(cache.value_codes[b, :, r]), cache.value_scale[b, :, r],
+                codes = kvstore.value_rows(cache, b, torch.tensor([r]))[:, 0]
+                v = quant.dequantize(quant.unpack_int2(codes), cache.value_scale[b, :, r],
                                      cache.value_zero[b, :, r], cache.value_group_size)
             keys.append(k.double())
             values.append(v.double())

@@ -414,14 +414,24 @@ def test_resident_warps_count_each_schedulers_registers(regs, shared, expect):
     (40, 8, 128, 64, "token", None, dict(HG=5, R4=8, HT=1, STAGES=0, MASK_ALL=False)),
     (16, 8, 256, 64, "token", 8, dict(HG=2, R4=4, HT=1, NGK=4, NGV=4, D=256, MASK_ALL=False, KEYS_AHEAD=True)),   # head_dim 256: 4 heads a program
     (32, 2, 256, 128, "channel", None, dict(HG=16, R4=4, HT=4, NGK=1, NGV=2, TB=128, KEYS_AHEAD=False)),
+    # Value codes in tiles (the default layout): keys ahead also in the 8-head programs with keys per token or at
+    # head_dim 64, and at head_dim 256 with keys per channel; still not in Qwen3-8B's 128-register program.
+    (32, 8, 128, 64, "token", None, dict(R4=4, VT=True, STAGES=0, MASK_ALL=True, KEYS_AHEAD=False, layout="tiles")),
+    (40, 8, 128, 64, "token", None, dict(R4=8, VT=True, KEYS_AHEAD=True, layout="tiles")),
+    (14, 2, 64, 64, "channel", 8, dict(R4=8, VT=True, KEYS_AHEAD=True, layout="tiles")),
+    (64, 8, 128, 64, "channel", None, dict(R4=8, VT=True, KEYS_AHEAD=False, layout="tiles")),
+    (32, 2, 256, 128, "channel", None, dict(R4=4, HT=4, VT=True, KEYS_AHEAD=True, layout="tiles")),
 ])
 def test_gluon_programs_cover_a_kv_heads_query_heads(heads, kv_heads, d, group, axis, per_program, expect):
     """Each KV head's HG query heads go to HT programs of R4 heads (R4·HT ≥ HG > R4·(HT − 1)), the groups
     and key blocks as the store holds them; the cp.async ring only where its copies fit (d 128, token keys,
     groups of 64); every tile's scores masked only in the 4-head head_dim 128 programs with two value groups a
     token (elsewhere only a program's last tile, measured faster); key words a tile ahead only in 4-head
-    programs, but not the 128-register one with two key groups a token nor head_dim 256 with keys per channel."""
-    cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis)
+    programs, but not the 128-register one with two key groups a token nor head_dim 256 with keys per channel
+    (value codes in rows; in tiles, the rule of decode.keys_ahead)."""
+    expect = dict(expect)
+    layout = expect.pop("layout", "rows")
+    cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis, value_layout=layout)
     consts = decode.gluon_constexprs(cache, heads, d, 6, per_program)
     assert {k: consts[k] for k in expect} == expect
     assert consts["R4"] * consts["HT"] >= consts["HG"] > consts["R4"] * (consts["HT"] - 1)
