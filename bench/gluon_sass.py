@@ -37,10 +37,10 @@ SMEM_PER_SM = 228 * 1024    # H100
 
 
 def constexprs(heads: int, kv_heads: int, d: int, gk: int, gv: int, axis: str, layout: str = "rows") -> dict:
-    """What decode._plan passes the Gluon programs for this shape (the window programs' count does not reach the
-    loop: 5)."""
+    """What decode._plan passes the Gluon programs for this shape on an H100 (the window programs' count does not
+    reach the loop: 5; programmatic dependent launch on)."""
     cache = kvstore.empty_cache(1, kv_heads, d, 1024, gk, gv, key_axis=axis, value_layout=layout)
-    return decode.gluon_constexprs(cache, heads, d, 5)
+    return dict(decode.gluon_constexprs(cache, heads, d, 5), PDL=True)
 
 
 def compile_row(const: dict) -> dict:

@@ -75,7 +75,7 @@ def split_kernel(d=128, hg=4, gk=64, gv=64, block_n=64, warps=1, stages=4, key_t
                  log2_scale="fp32")
     const = dict(HKV=8, HG=hg, D=d, GK=gk, GV=gv, S=64, W=256, HGP=hgp, QP=qp, NW=5, BLOCK_N=block_n, BLOCK_W=64,
                  SB=sb, BLOCK_E=16, KEY_T=key_t, USE_ASM=True, ROTATE=fused, MERGE=fused, HAS_MEAN=True, F32=False,
-                 TB=1, R=1, VT=False)
+                 TB=1, R=1, VT=False, PDL=False)
     fn = decode._split_kernel
     sig = {a: types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names if a not in const}
     meta, res, sass = compile_sass(fn, sig, const, warps, stages)

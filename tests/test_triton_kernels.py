@@ -358,6 +358,40 @@ def test_decode_kernel_channel_keys_refuse_before_launch():
         decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, None, 0.125, gluon=True)
 
 
+def test_programmatic_launch_refused_where_the_device_lacks_it():
+    gen = torch.Generator().manual_seed(6)
+    cache, layer, q = build(gen, [100], 4, 1, 64, 64, 64)
+    args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 0.125)
+    with pytest.raises(ValueError, match="programmatic dependent launch"):
+        decode.decode_attention(*args, pdl=True, graph=False)
+    assert decode.launch_plan(q, cache).pdl is False
+    assert not decode.programmatic_launch(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper GPU")
+@pytest.mark.parametrize("d,heads,kv_heads,lengths,gluon", [
+    (128, 32, 8, [5000, 700, 64, 1200], True),     # Gluon INT2 programs beside the window programs
+    (128, 32, 8, [900, 321], False),               # the Triton programs take every split
+    (256, 4, 1, [3000, 70], None),                 # head_dim 256 below 8 pairs: the Triton programs
+])
+def test_programmatic_launch_changes_no_bit(d, heads, kv_heads, lengths, gluon):
+    """Programmatic dependent launch (the default on Hopper) only moves when launches start: outputs with and
+    without it are bit-identical, as direct calls and as graph replays, and within 1e-2 of the reference."""
+    gen = torch.Generator().manual_seed(d + heads)
+    cache, layer, q = build(gen, lengths, heads, kv_heads, d, 64, 64, sink=16, recent=32)
+    on_device = to_device(cache)
+    args = (q.to(DEVICE), on_device, layer.key_rotation.to(DEVICE), layer.value_rotation.to(DEVICE),
+            layer.value_mean.to(DEVICE), d ** -0.5)
+    assert decode.launch_plan(args[0], on_device).pdl is True
+    outs = [decode.decode_attention(*args, gluon=gluon, pdl=pdl, graph=graph)
+            for pdl in (False, True) for graph in (False, True, True)]     # the second graph call replays
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
+                                             d ** -0.5)
+    assert relative_errors(outs[-1], ref).max() < 1e-2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon programs need a GPU")
 @pytest.mark.parametrize("context,batch,waves,d", [(100_000, 1, "spare", 128), (100_000, 2, "whole", 128),
                                                    (32768, 1, "3/4", 128), (100_000, 1, "whole", 256)])
@@ -368,7 +402,7 @@ def test_long_small_batches_leave_the_window_programs_a_slot(context, batch, wav
     cache = kvstore.empty_cache(batch, 8, d, context, device="cuda")
     q = torch.zeros(batch, 32, d, dtype=torch.bfloat16, device="cuda")
     plan = decode.launch_plan(q, cache, max_length=context)
-    consts = {k: v for k, v in plan.gluon_consts.items() if k not in ("num_warps", "maxnreg")}
+    consts = {k: v for k, v in plan.gluon_consts.items() if k not in ("num_warps", "maxnreg", "launch_pdl")}
     slots = decode._gluon_programs_per_sm(cache, consts, q.device)
     use = dict(spare=slots - 1, whole=slots)[waves] if waves != "3/4" else slots * 3 // 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -46,6 +46,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_core.kvstore import Int2KVCache
 from oscar_core.triton.launch import CachedKernel
@@ -443,10 +444,14 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
                   USE_ASM: tl.constexpr, ROTATE: tl.constexpr, MERGE: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr, VT: tl.constexpr):
+                  F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, PDL: tl.constexpr):
     """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
     finish merges (else _reduce_kernel does, in a launch of its own). TB > 1: keys per channel over blocks
-    of TB tokens, a ring of R slots (kvstore.Int2KVCache)."""
+    of TB tokens, a ring of R slots (kvstore.Int2KVCache). PDL: launched as a programmatic dependent of the
+    query rotation, whose q̃ it reads only after gdc_wait, and lets its own dependent (the reduce) start."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     sid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -488,14 +493,15 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
 @triton.jit
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
                    HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
-                   SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr):
+                   SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr, PDL: tl.constexpr):
     """Program (bh, j), for the columns c of block j ([j·BLOCK_C, (j + 1)·BLOCK_C)):
       õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s   (SB splits a step, running max; splits
                                                                  with l_s = 0 are empty and left unread)
       y_j[r, :] = Σ_{c in block j} õ[r, c]·R_V[:, c]            (its share of õ·R_V^T, float32, to py)
     and the last of the D / BLOCK_C programs of bh (an atomic counter, which it resets) writes
     o = Σ_j y_j + μ_V, the partials summed in a fixed order. Every partial is read once, and no program
-    waits on a serial chain of products."""
+    waits on a serial chain of products. PDL: launched as a programmatic dependent of the split programs,
+    it loads its R_V columns before gdc_wait and the partials after."""
     bh = tl.program_id(0)
     j = tl.program_id(1)
     c0 = j * BLOCK_C
@@ -506,6 +512,8 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     e = tl.arange(0, D)
     base = bh * NS * HG
     rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])       # R_V[e, c] as [c, e]
+    if PDL:
+        gdc_wait()
     o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "")
     y = tl.sum(o[:, :, None] * rvt[None, :, :], axis=1)
     ys = py_ptr + (bh * (D // BLOCK_C) * HGP + r[:, None]) * D + e[None, :]
@@ -526,9 +534,12 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
 
 @triton.jit
 def _rotate_kernel(q_ptr, rk_ptr, out_ptr, HKV: tl.constexpr, HG: tl.constexpr, HGP: tl.constexpr,
-                   D: tl.constexpr, BLOCK_E: tl.constexpr):
+                   D: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     """q̃[b, h·HG + r, e] = Σ_c q[b, h·HG + r, c]·R_K[h, c, e] in float32, stored bf16, for columns
-    [e0, e0 + BLOCK_E): kvstore.rotate_query in one launch."""
+    [e0, e0 + BLOCK_E): kvstore.rotate_query in one launch. PDL: lets the next launch (a programmatic
+    dependent) start at once."""
+    if PDL:
+        gdc_launch_dependents()
     bh = tl.program_id(0)
     e0 = tl.program_id(1) * BLOCK_E
     h = bh % HKV
@@ -542,8 +553,9 @@ def _rotate_kernel(q_ptr, rk_ptr, out_ptr, HKV: tl.constexpr, HG: tl.constexpr, 
     tl.store(out_ptr + rows * D + e[None, :], y.to(tl.bfloat16), mask=(r < HG)[:, None])
 
 
-def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tensor:
-    """Triton kvstore.rotate_query, rounded to bf16: q [B, H, d] -> q̃ bf16 [B, H, d]."""
+def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """Triton kvstore.rotate_query, rounded to bf16: q [B, H, d] -> q̃ bf16 [B, H, d]. pdl: the next launch
+    may start (programmatic dependent launch) before this one ends."""
     bsz, heads, d = q.shape
     kv_heads = key_rotation.shape[0]
     hg = heads // kv_heads
@@ -551,7 +563,7 @@ def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tens
     block_e = 16
     _launch(_rotate_kernel)(
         (bsz * kv_heads, d // block_e), q.contiguous(), key_rotation.float().contiguous(), out, HKV=kv_heads, HG=hg,
-        HGP=_pow2(hg), D=d, BLOCK_E=block_e, num_warps=4)
+        HGP=_pow2(hg), D=d, BLOCK_E=block_e, PDL=pdl, num_warps=4)
     return out
 
 
@@ -751,6 +763,12 @@ def _capability(device: torch.device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether decode's launches can start before the one they depend on ends (programmatic dependent launch,
+    griddepcontrol): CUDA devices of compute capability 9.0 or newer (Hopper on)."""
+    return device.type == "cuda" and _capability(device)[0] >= 9
+
+
 _GLUON_SLOTS: dict = {}
 
 
@@ -817,7 +835,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
                      key_t: bool | None = None, fused: bool = False, gluon: bool | None = None,
-                     heads_per_program: int | None = None, graph: bool | None = None) -> torch.Tensor:
+                     heads_per_program: int | None = None, graph: bool | None = None,
+                     pdl: bool | None = None) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     Three launches (query rotation, split kernel, reduce), or with fused one: the query rotated inside
@@ -841,20 +860,24 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     Raises ValueError (before any launch) for a shape it does not support (check_shape).
     graph: replay a CUDA graph of this call kept on the store (_replayed); None: on CUDA when no capture is
     under way (an eager caller). Its launches are those of graph=False with max_length rounded up to a power
-    of two, so that a growing context recaptures only when it doubles."""
+    of two, so that a growing context recaptures only when it doubles.
+    pdl: each launch after the query rotation starts before the one it depends on ends (programmatic dependent
+    launch: it waits in gdc_wait, so its launch and prologue overlap the tail of the one before); None: where
+    programmatic_launch says the device has it and fused is off. True to require it (ValueError where it
+    cannot)."""
     if graph is None:
         graph = q.is_cuda and not torch.cuda.is_current_stream_capturing()
     if graph:
         options = dict(max_length=None if max_length is None else _pow2(max_length), block_n=block_n,
                        block_w=block_w, num_warps=num_warps, num_stages=num_stages, waves=waves, use_asm=use_asm,
-                       key_t=key_t, fused=fused, gluon=gluon, heads_per_program=heads_per_program)
+                       key_t=key_t, fused=fused, gluon=gluon, heads_per_program=heads_per_program, pdl=pdl)
         return _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options)
     bsz, heads, d = q.shape
     has_mean = value_mean is not None
     plan = launch_plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused,
-                       gluon, heads_per_program, has_mean)
+                       gluon, heads_per_program, has_mean, pdl)
     kv_heads = cache.key_codes.shape[1]
-    q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation)
+    q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation, plan.pdl)
     work = torch.empty(plan.work, dtype=torch.float32, device=q.device)
     split = plan.split
     po, pm, pl = work[:split * d], work[split * d:split * (d + 1)], work[split * (d + 1):split * (d + 2)]
@@ -944,6 +967,7 @@ def _capture(q, cache, key_rotation, value_rotation, value_mean, scaling, out_dt
 class _Plan:
     """decode_attention's launch settings for one shape of call, worked out once (_PLANS)."""
     gluon: bool
+    pdl: bool               # programmatic dependent launch after the query rotation
     ns: int                 # splits a (sequence, KV head): window programs, then INT2 programs
     n_int2: int             # INT2 splits a (sequence, KV head)
     min_chunk: int
@@ -961,22 +985,23 @@ _PLANS: dict = {}
 
 
 def launch_plan(q, cache, max_length=None, block_n=None, block_w=64, num_warps=None, num_stages=None, waves=None,
-                use_asm=None, key_t=None, fused=False, gluon=None, heads_per_program=None, has_mean=True) -> _Plan:
+                use_asm=None, key_t=None, fused=False, gluon=None, heads_per_program=None, has_mean=True,
+                pdl=None) -> _Plan:
     """The launch settings decode_attention(q, cache, ...) uses with these arguments (plan.gluon: whether the
     Gluon programs take the INT2 rows), worked out on the first call of a shape and kept in _PLANS."""
     key = (q.device, tuple(q.shape), cache.key_codes.shape[1:3], cache.key_group_size, cache.value_group_size,
            cache.key_axis, cache.value_layout, cache.sink_tokens, cache.ring_slots, max_length, block_n, block_w,
            num_warps, num_stages,
-           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean)
+           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean, pdl)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm,
-                                   key_t, fused, gluon, heads_per_program, has_mean)
+                                   key_t, fused, gluon, heads_per_program, has_mean, pdl)
     return plan
 
 
 def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused, gluon,
-          heads_per_program, has_mean) -> _Plan:
+          heads_per_program, has_mean, pdl) -> _Plan:
     """Check the shape and derive every launch setting of decode_attention (its docstring)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
@@ -1005,6 +1030,11 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     elif gluon and (fused or not gluon_supported(q, cache)):
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64, 128 or 256, groups of 64 "
                          "or 128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
+    if pdl is None:
+        pdl = not fused and programmatic_launch(q.device)
+    elif pdl and (fused or not programmatic_launch(q.device)):
+        raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer and "
+                         "fused=False")
     cfg = default_config(bsz, kv_heads, d, gluon)
     block_n = 64 if gluon else block_n or cfg["block_n"]
     if tb > 1:
@@ -1015,7 +1045,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     few_pairs = bsz * kv_heads <= 8         # small batches: the reduce's columns
     consts = {}
     if gluon:
-        consts = gluon_constexprs(cache, heads, d, nw, heads_per_program)
+        consts = dict(gluon_constexprs(cache, heads, d, nw, heads_per_program), PDL=pdl)
         slots = _gluon_programs_per_sm(cache, consts, q.device)
         cfg["waves"] = gluon_waves(bsz * kv_heads, max_int2, d, slots, consts["HT"], _num_sms(q.device),
                                    cfg["min_chunk"])
@@ -1035,18 +1065,18 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     # programs (H100, graph, 32K x 1 and 100K x 1: 1-3% faster; at batch 8 0.5-3% slower; kernel_notes.md v15).
     block_c = min(d, 8 if few_pairs else 16)
     shares = 0 if fused else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
+    launch = dict(launch_pdl=True) if pdl else {}
     return _Plan(
-        gluon=gluon, ns=ns, n_int2=n_int2, min_chunk=cfg["min_chunk"], split=split, work=split * (d + 2) + shares,
+        gluon=gluon, pdl=pdl, ns=ns, n_int2=n_int2, min_chunk=cfg["min_chunk"], split=split, work=split * (d + 2) + shares,
         split_grid=(nw if gluon else ns, bsz * kv_heads),
         split_consts=dict(HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens,
                           HGP=hgp, QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16),
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
                           F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1,
-                          VT=cache.value_tiles, num_warps=num_warps,
-                          num_stages=num_stages),
+                          VT=cache.value_tiles, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch),
         gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
-        gluon_consts=dict(**_gluon_options(consts), **consts) if gluon else {},
+        gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
         reduce_grid=(bsz * kv_heads, d // block_c),
         reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),
                                                                            max(8, _pow2(ns))),
-                           BLOCK_C=block_c, HAS_MEAN=has_mean, num_warps=4))
+                           BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, num_warps=4, **launch))

@@ -356,6 +356,20 @@ def _value_operand(words, VL: gl.constexpr, a_op: gl.constexpr):
 
 
 @gluon.jit
+def _grid_wait():
+    """griddepcontrol.wait: until the launch this one depends on (programmatic dependent launch) has ended and
+    its writes are visible; nothing for a launch without that dependence."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _grid_launch_dependents():
+    """griddepcontrol.launch_dependents: the next launch, if a programmatic dependent, may start."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _value_step(sc):
     """A value group's step 2^(b/8 − 16) from its scale code as a float 2^23 + b (_tile_meta):
     (2^23 + b)/8 − 2^20 − 16 = b/8 − 16, exact in one fma."""
@@ -381,7 +395,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
-                       MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr):
+                       MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr,
+                       PDL: gl.constexpr = False):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -395,7 +410,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     TB 1, NGK = NGV = 2, R4 = 4 (decode.gluon_constexprs keeps to these). MASK_ALL: the scores of every tile are
     masked to the program's rows; otherwise only those of its last tile, the one that can run past them (a
     warp-uniform branch). KEYS_AHEAD: each tile's key words are loaded during the tile before (loop-carried), so
-    the first key product does not wait on memory."""
+    the first key product does not wait on memory. PDL: launched as a programmatic dependent of the query
+    rotation (or, on one stream, the window programs): q̃ is read after _grid_wait, and the reduce may start."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -448,6 +464,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     rho = rho_k[:, None]
     if TB > 1:
         quarter_rho = 0.25 / rho_k
+    if PDL:
+        _grid_launch_dependents()
+        _grid_wait()
     qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
     if D >= 128:
         qf1 = gl.where(qsel, gl.load(qt_ptr + qoff + (64 if GS else 16), mask=qmask, other=0.0).to(gl.float32),
