@@ -31,6 +31,10 @@ from kernel import graph_bench  # noqa: E402
 from oscar_core import kvstore  # noqa: E402
 from oscar_core.triton import decode  # noqa: E402
 
+# The shape classes timed unless --only says otherwise: one a program family (4 heads with keys per token and per
+# channel, 8 heads, head_dim 64, head_dim 256 at one KV head, which runs the Triton programs at batch 1).
+DEFAULT = ["Qwen3-8B 32/8 d128", "Qwen3-8B 32/8 d128, keys per channel", "Qwen3-32B 64/8 d128 (GQA 8)",
+           "Llama-3.2-1B 32/8 d64", "Gemma-3-270M 4/1 d256"]
 QWEN3_8B = [(8192, 1), (16384, 1), (32768, 1), (100_000, 1), (16384, 8), (32768, 8), (100_000, 8), (100_000, 32)]
 OTHERS = [(16384, 1), (100_000, 1), (100_000, 8)]
 
@@ -83,11 +87,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/pdl.md")
     ap.add_argument("--only", help="shape labels containing any of these texts (separated by ;)")
-    ap.add_argument("--value-layout", default=kvstore.VALUE_LAYOUTS[0], choices=kvstore.VALUE_LAYOUTS)
+    ap.add_argument("--value-layout", default=kvstore.DEFAULT_VALUE_LAYOUT, choices=kvstore.VALUE_LAYOUTS)
     args = ap.parse_args()
     shapes.VALUE_LAYOUT[0] = args.value_layout
     gen = torch.Generator("cuda").manual_seed(0)
-    chosen = [s for s in shapes.SHAPES if not args.only or any(p in s[0] for p in args.only.split(";"))]
+    chosen = [s for s in shapes.SHAPES if (any(p in s[0] for p in args.only.split(";")) if args.only
+                                           else s[0] in DEFAULT)]
     points = [(s, c, b) for s in chosen for c, b in (QWEN3_8B if s is shapes.SHAPES[0] else OTHERS)]
     props = torch.cuda.get_device_properties(0)
     lines = ["# Programmatic dependent launch in decode attention, off against on (bench/pdl.py)", "",
