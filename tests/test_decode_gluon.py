@@ -33,7 +33,7 @@ from oscar_core.triton import decode, decode_gluon
 shape, cubin = json.loads(sys.argv[1]), sys.argv[2]
 fn = decode_gluon._int2_split_kernel
 const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128, VT=False, PDL=True), **shape)
-const["MASK_ALL"] = decode.mask_every_tile(const["D"], const["R4"], const["NGV"])
+const["MASK_ALL"] = decode.mask_every_tile(const["D"], const["R4"], const["NGV"], const.get("VT", False))
 const["KEYS_AHEAD"] = decode.keys_ahead(const["D"], const["R4"], const["TB"], const["NGK"], const.get("VT", False))
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32")

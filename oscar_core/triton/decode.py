@@ -448,10 +448,9 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
     """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
     finish merges (else _reduce_kernel does, in a launch of its own). TB > 1: keys per channel over blocks
     of TB tokens, a ring of R slots (kvstore.Int2KVCache). PDL: launched as a programmatic dependent of the
-    query rotation, whose q̃ it reads only after gdc_wait, and lets its own dependent (the reduce) start."""
+    query rotation, whose q̃ it reads only after gdc_wait."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
     sid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -697,7 +696,7 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     ring = head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4 and not tiles
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
                 BLOCK_N=64, STAGES=_gluon().STAGES if ring else 0, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
-                D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv),
+                D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv, tiles),
                 KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles)
 
 
@@ -725,15 +724,17 @@ def keys_ahead(head_dim: int, heads_per_program: int, token_block: int, key_grou
             and not (head_dim == 256 and token_block > 1))
 
 
-def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int) -> bool:
+def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:
     """Whether the Gluon programs mask every tile's scores to their rows (else only a program's last tile, behind a
     warp-uniform branch). The branch takes 25-50 instructions a tile off the loop, but ptxas schedules the
     4-head head_dim 128 loop with two value groups a token worse around it: H100, 100K x 8, graph, every tile /
     last tile (kernel_notes.md v17): Qwen3-8B 0.2259 / 0.2280 ms, keys per channel 0.2542 / 0.2586, MHA 0.802 /
     0.815; elsewhere the branch wins or ties: Llama-3.2-1B (d 64) 0.1466 / 0.1290, Gemma-3-12B (d 256) 0.490 /
     0.466, keys per channel 0.567 / 0.547, Qwen3-8B with groups of 128 0.2184 / 0.2136, GQA 5-16 within 0.4% or
-    up to 1.7% faster."""
-    return head_dim == 128 and heads_per_program == 4 and value_groups == 2
+    up to 1.7% faster. With the value codes in tiles (value_tiles) the branch wins there too (H100, graph, every
+    tile / last tile, kernel_notes.md v19): Qwen3-8B 100K x 8 0.2234 / 0.2164 ms, 100K x 1 0.0508 / 0.0499, keys
+    per channel 0.2428 / 0.2356 and 0.0554 / 0.0538, MHA 0.7917 / 0.7568."""
+    return not value_tiles and head_dim == 128 and heads_per_program == 4 and value_groups == 2
 
 
 def gluon_waves(pairs: int, max_int2: int, head_dim: int, slots: int, ht: int, num_sms: int, min_chunk: int) -> int:
@@ -862,9 +863,9 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     under way (an eager caller). Its launches are those of graph=False with max_length rounded up to a power
     of two, so that a growing context recaptures only when it doubles.
     pdl: each launch after the query rotation starts before the one it depends on ends (programmatic dependent
-    launch: it waits in gdc_wait, so its launch and prologue overlap the tail of the one before); None: where
-    programmatic_launch says the device has it and fused is off. True to require it (ValueError where it
-    cannot)."""
+    launch: it waits in gdc_wait, so its launch and prologue overlap the tail of the one before); None: at 8
+    (sequence, KV head) pairs or fewer, where programmatic_launch says the device has it and fused is off. True
+    to require it (ValueError where it cannot)."""
     if graph is None:
         graph = q.is_cuda and not torch.cuda.is_current_stream_capturing()
     if graph:
@@ -1031,7 +1032,10 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64, 128 or 256, groups of 64 "
                          "or 128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
     if pdl is None:
-        pdl = not fused and programmatic_launch(q.device)
+        # At batch 1 (8 pairs or fewer) the launch gaps are a share of the call worth saving; at batch 8 the
+        # dependents' early programs cost more than the gaps (H200, graph, off / on, kernel_notes.md v19: Qwen3-8B
+        # 8K x 1 0.0204 / 0.0197 ms, 16K x 1 0.0226 / 0.0216, 100K x 1 0.0458 / 0.0445; 16K x 8 0.0582 / 0.0616).
+        pdl = not fused and bsz * kv_heads <= 8 and programmatic_launch(q.device)
     elif pdl and (fused or not programmatic_launch(q.device)):
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer and "
                          "fused=False")

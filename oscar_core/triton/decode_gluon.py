@@ -363,13 +363,6 @@ def _grid_wait():
 
 
 @gluon.jit
-def _grid_launch_dependents():
-    """griddepcontrol.launch_dependents: the next launch, if a programmatic dependent, may start."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
 def _value_step(sc):
     """A value group's step 2^(b/8 − 16) from its scale code as a float 2^23 + b (_tile_meta):
     (2^23 + b)/8 − 2^20 − 16 = b/8 − 16, exact in one fma."""
@@ -411,7 +404,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     masked to the program's rows; otherwise only those of its last tile, the one that can run past them (a
     warp-uniform branch). KEYS_AHEAD: each tile's key words are loaded during the tile before (loop-carried), so
     the first key product does not wait on memory. PDL: launched as a programmatic dependent of the query
-    rotation (or, on one stream, the window programs): q̃ is read after _grid_wait, and the reduce may start."""
+    rotation (or, on one stream, the window programs): q̃ is read after _grid_wait."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -465,7 +458,6 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     if TB > 1:
         quarter_rho = 0.25 / rho_k
     if PDL:
-        _grid_launch_dependents()
         _grid_wait()
     qf0 = gl.where(qsel, gl.load(qt_ptr + qoff, mask=qmask, other=0.0).to(gl.float32), 0.0)
     if D >= 128:
