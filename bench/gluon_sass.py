@@ -7,8 +7,8 @@ holds (decode.resident_warps), and per 64-token tile and warp the loop's instruc
 GPU image's) installed to a side folder the counts are those of the programs that run on the H100:
     python -m pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36:. python bench/gluon_sass.py --out bench/results/gluon_sass.md
---value-layout tiles compiles the programs that read a store whose value codes are in 64-row tiles
-(kvstore's value_layout; bench/results/gluon_sass_tiles.md).
+--value-layout rows compiles the programs that read a store whose value codes are in rows rather than 64-row tiles
+(kvstore's value_layout; bench/results/gluon_sass_rows.md).
 """
 
 import argparse
@@ -66,7 +66,7 @@ def compile_row(const: dict) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gluon_sass.md")
-    ap.add_argument("--value-layout", default="rows", choices=kvstore.VALUE_LAYOUTS)
+    ap.add_argument("--value-layout", default=kvstore.DEFAULT_VALUE_LAYOUT, choices=kvstore.VALUE_LAYOUTS)
     args = ap.parse_args()
     lines = ["# The Gluon INT2 programs' loop, offline for sm_90 (bench/gluon_sass.py)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; triton {triton.__version__}"
