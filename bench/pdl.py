@@ -2,9 +2,9 @@
 process.
 
 With pdl each launch after the query rotation is a programmatic dependent of the one before: its programs are
-launched while that one's last programs still run and wait in griddepcontrol.wait before they read its output
-(the Gluon INT2 programs and the reduce also let their own dependents launch at once). What it can save is the gap
-between dependent launches, which counts most where a call is short: batch 1, 8K-32K tokens.
+launched while that one's last programs still run (the rotation lets them launch at its start) and wait in
+griddepcontrol.wait before they read its output. What it can save is the gap between dependent launches, which
+counts most where a call is short: batch 1, 8K-32K tokens (decode_attention's default: on at 8 pairs or fewer).
 
 For each point:
 1. outputs: a ragged random store, decode_attention with pdl off and on, as a graph replay and as a direct call:

@@ -29,6 +29,10 @@ from oscar_core import quant
 
 SINK_TOKENS = 64
 RECENT_TOKENS = 256
+VALUE_LAYOUTS = ("rows", "tiles")
+# Tiles: the Gluon decode programs load a lane's value words 16 bytes at a time, faster on every shape class (H100,
+# 100K x 8, graph: 0-12%, bench/results/shapes.md against kernel_notes.md v19), the same bytes and outputs.
+DEFAULT_VALUE_LAYOUT = "tiles"
 
 
 @dataclass
@@ -87,7 +91,7 @@ class Int2KVCache:
     key_group_size: int = 64
     value_group_size: int = 64
     key_axis: str = "token"
-    value_layout: str = "tiles"     # DEFAULT_VALUE_LAYOUT
+    value_layout: str = DEFAULT_VALUE_LAYOUT
     # CUDA graphs of eager decode calls over this store (triton.decode.decode_attention keeps them here, so
     # they go with the store's tensors they read).
     graphs: dict = field(default_factory=dict, repr=False, compare=False)
@@ -121,10 +125,6 @@ class Int2KVCache:
 
 
 ROW_BLOCK = 64
-VALUE_LAYOUTS = ("rows", "tiles")
-# Tiles: the Gluon decode programs load a lane's value words 16 bytes at a time, faster on every shape class (H100,
-# 100K x 8, graph: 0-12%, bench/results/shapes.md against kernel_notes.md v18), the same bytes and outputs.
-DEFAULT_VALUE_LAYOUT = "tiles"
 
 
 def tile_slot(m: torch.Tensor) -> torch.Tensor:
