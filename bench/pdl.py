@@ -54,15 +54,13 @@ def same_outputs(shape, gen) -> str:
     base = outs[False, False]
     if not all(torch.equal(base, o) for o in outs.values()):
         return f"differ, err {err:.1e}"
-    return f"equal, err {err:.1e}" if err < 1e-2 else f"equal, err {err:.1e} over 1e-2"
+    return shapes.equal_verdict(err)
 
 
 def times(shape, context, bsz, gen, rounds: int = 3) -> dict:
     """Best graph replay and eager call of decode_attention with pdl off and on, and of SDPA, in ms."""
     _, heads, kv_heads, d, gk, gv, axis = shape
-    layer = shapes.layer_of(kv_heads, d, gen)
-    q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
-    out = torch.empty_like(q)
+    layer, q, out = shapes.timing_inputs(shape, bsz, gen)
     cache = shapes.random_store(bsz, kv_heads, d, context, gk, gv, axis, gen)
 
     def call(pdl, graph):
@@ -102,23 +100,16 @@ def main():
              "against kvstore.decode_attention_reference",
              "- time: best of 3 interleaved rounds; graph: CUDA-graph replay (L2 cleared before each); eager: a plain "
              "caller's decode_attention (a replay of its own graph), wall clock per call of 100; x SDPA: graph SDPA "
-             "over the same shape / INT2 graph", "", "| shape | outputs |", "|---|---|"]
-    for shape in chosen:
-        lines.append(f"| {shape[0]} | {same_outputs(shape, gen)} |")
-        print(lines[-1], flush=True)
-    lines += ["", "| shape | context x batch | graph off | graph pdl | gain | x SDPA off / pdl | eager off | "
-              "eager pdl | gain |", "|---|---|---|---|---|---|---|---|---|"]
-    for shape, context, bsz in points:
-        t = times(shape, context, bsz, gen)
-        lines.append(
-            f"| {shape[0]} | {context} x {bsz} | {t['graph off']:.4f} | {t['graph pdl']:.4f} | "
-            f"{(t['graph off'] / t['graph pdl'] - 1) * 100:+.1f}% | {t['graph sdpa'] / t['graph off']:.2f}x / "
-            f"{t['graph sdpa'] / t['graph pdl']:.2f}x | {t['eager off']:.4f} | {t['eager pdl']:.4f} | "
-            f"{(t['eager off'] / t['eager pdl'] - 1) * 100:+.1f}% |")
-        print(lines[-1], flush=True)
-        torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+             "over the same shape / INT2 graph", ""]
+
+    def row(t):
+        return (f"{t['graph off']:.4f} | {t['graph pdl']:.4f} | {(t['graph off'] / t['graph pdl'] - 1) * 100:+.1f}% | "
+                f"{t['graph sdpa'] / t['graph off']:.2f}x / {t['graph sdpa'] / t['graph pdl']:.2f}x | "
+                f"{t['eager off']:.4f} | {t['eager pdl']:.4f} | {(t['eager off'] / t['eager pdl'] - 1) * 100:+.1f}%")
+
+    shapes.write_ab(args.out, lines, chosen, points, gen, same_outputs, times,
+                    "| shape | context x batch | graph off | graph pdl | gain | x SDPA off / pdl | eager off | eager pdl "
+                    "| gain |", row)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,35 @@ def rel_err(out, ref) -> float:
     return err if err == err else float("inf")
 
 
+def equal_verdict(err: float) -> str:
+    """An A/B's outputs were bit-identical; err: against the reference (bench/value_layout.py, bench/pdl.py)."""
+    return f"equal, err {err:.1e}" if err < 1e-2 else f"equal, err {err:.1e} over 1e-2"
+
+
+def write_ab(out, lines, chosen, points, gen, same_outputs, times, header: str, row) -> None:
+    """The two tables of an A/B bench (bench/value_layout.py, bench/pdl.py) after its header lines: each chosen
+    shape's same_outputs(shape, gen), then a point a row, row(times(shape, context, bsz, gen)) after its label
+    (header: that table's first line); printed as they come, then written to out."""
+    lines += ["| shape | outputs |", "|---|---|"]
+    for shape in chosen:
+        lines.append(f"| {shape[0]} | {same_outputs(shape, gen)} |")
+        print(lines[-1], flush=True)
+    lines += ["", header, "|" + "---|" * (header.count("|") - 1)]
+    for shape, context, bsz in points:
+        lines.append(f"| {shape[0]} | {context} x {bsz} | {row(times(shape, context, bsz, gen))} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def timing_inputs(shape, bsz, gen) -> tuple:
+    """A random layer for a shape class, a bf16 query [bsz, heads, d] and an output buffer like it."""
+    _, heads, kv_heads, d, *_ = shape
+    q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
+    return layer_of(kv_heads, d, gen), q, torch.empty_like(q)
+
+
 def check(shape, gen) -> dict:
     """Errors of every program that serves the shape, on a ragged batch written by kvstore.prefill."""
     _, heads, kv_heads, d, gk, gv, axis = shape

@@ -59,15 +59,13 @@ def same_outputs(shape, gen) -> str:
     err = shapes.rel_err(outs[1], ref)
     if not torch.equal(outs[0], outs[1]):
         return f"differ ({shapes.rel_err(outs[1], outs[0].float()):.1e}), err {err:.1e}"
-    return f"equal, err {err:.1e}" if err < 1e-2 else f"equal, err {err:.1e} over 1e-2"
+    return shapes.equal_verdict(err)
 
 
 def times(shape, context, bsz, gen, rounds: int = 3) -> dict:
     """Best graph replay of decode_attention over a random store of each layout, ms."""
     _, heads, kv_heads, d, gk, gv, axis = shape
-    layer = shapes.layer_of(kv_heads, d, gen)
-    q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
-    out = torch.empty_like(q)
+    layer, q, out = shapes.timing_inputs(shape, bsz, gen)
     best = {}
     for layout in kvstore.VALUE_LAYOUTS:
         shapes.VALUE_LAYOUT[0] = layout
@@ -97,19 +95,10 @@ def main():
              f"{torch.__version__}, triton {triton.__version__}",
              "- outputs: one ragged batch prefilled into each layout by write.prefill_kv, its value codes row by row and "
              "decode_attention over it (bit-identical expected), err: tiles against kvstore.decode_attention_reference; "
-             "time: graph replay, best of 3 interleaved rounds, random stores", "", "| shape | outputs |", "|---|---|"]
-    for shape in chosen:
-        lines.append(f"| {shape[0]} | {same_outputs(shape, gen)} |")
-        print(lines[-1], flush=True)
-    lines += ["", "| shape | context x batch | rows ms | tiles ms | gain |", "|---|---|---|---|---|"]
-    for shape, context, bsz in points:
-        t = times(shape, context, bsz, gen)
-        lines.append(f"| {shape[0]} | {context} x {bsz} | {t['rows']:.4f} | {t['tiles']:.4f} | "
-                     f"{(t['rows'] / t['tiles'] - 1) * 100:+.1f}% |")
-        print(lines[-1], flush=True)
-        torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+             "time: graph replay, best of 3 interleaved rounds, random stores", ""]
+    shapes.write_ab(args.out, lines, chosen, points, gen, same_outputs, times,
+                    "| shape | context x batch | rows ms | tiles ms | gain |",
+                    lambda t: f"{t['rows']:.4f} | {t['tiles']:.4f} | {(t['rows'] / t['tiles'] - 1) * 100:+.1f}%")
 
 
 if __name__ == "__main__":
