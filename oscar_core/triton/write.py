@@ -571,6 +571,10 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     TB/s, against 1.16 for 8-warp programs of one whole block held to 128 registers); 8-warp tiles (block_t 128) are
     held to 128."""
     bsz, heads, n, d = keys.shape
+    if keys.is_cuda and d > 128:
+        # OscarCache writes such layers with torch (cache.write_problem).
+        raise ValueError(f"prefill_kv holds R in shared memory up to head_dim 128, not {d} (256 KiB at 256, over the "
+                         "H100's 227 KiB)")
     s, tb = cache.sink_tokens, cache.token_block
     bt = max(min(tb, block_t), tb // 2) if tb > 1 else block_t
     registers = (128 if bt > 64 else None) if registers == 0 else registers
