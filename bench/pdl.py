@@ -69,11 +69,7 @@ def times(shape, context, bsz, gen, rounds: int = 3) -> dict:
 
     fns = {f"{mode} {'pdl' if pdl else 'off'}": (graph_bench, call(pdl, False)) if mode == "graph"
            else (shapes.eager_ms, call(pdl, None)) for mode in ("graph", "eager") for pdl in (False, True)}
-    k = torch.randn(bsz, kv_heads, context, d, generator=gen, device="cuda").bfloat16()
-    v = torch.randn_like(k)
-    qs = q[:, :, None]
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True)  # noqa: E731
-    fns["graph sdpa"] = (graph_bench, sdpa)
+    fns["graph sdpa"] = (graph_bench, shapes.sdpa_call(q, kv_heads, context, gen))
     ms = {name: [] for name in fns}
     for _ in range(rounds):
         for name, (bench, fn) in fns.items():

@@ -101,6 +101,16 @@ def write_ab(out, lines, chosen, points, gen, same_outputs, times, header: str, 
         f.write("\n".join(lines) + "\n")
 
 
+def sdpa_call(q, kv_heads, context, gen):
+    """The BF16 baseline: torch's SDPA (enable_gqa) of q [B, H, d] over random K/V [B, H_kv, context, d], as a
+    call of no arguments (its K/V live as long as it does)."""
+    bsz, _, d = q.shape
+    k = torch.randn(bsz, kv_heads, context, d, generator=gen, device=q.device).bfloat16()
+    v = torch.randn(bsz, kv_heads, context, d, generator=gen, device=q.device).bfloat16()
+    q4 = q[:, :, None]
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=d ** -0.5, enable_gqa=True)
+
+
 def timing_inputs(shape, bsz, gen) -> tuple:
     """A random layer for a shape class, a bf16 query [bsz, heads, d] and an output buffer like it."""
     _, heads, kv_heads, d, *_ = shape
@@ -183,15 +193,9 @@ def time_size(shape, context, bsz, bandwidth, gen) -> dict:
         row["other_heads"] = other
         row["int2_graph_other_heads"] = graph_bench(int2(gluon=True, heads_per_program=other))
     del cache
-    k = torch.randn(bsz, kv_heads, context, d, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(bsz, kv_heads, context, d, generator=gen, device="cuda").bfloat16()
-    q4 = q[:, :, None]
-
-    def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=d ** -0.5, enable_gqa=True)
-
+    sdpa = sdpa_call(q, kv_heads, context, gen)
     row.update(sdpa_graph=graph_bench(sdpa), sdpa_eager=eager_ms(sdpa))
-    del k, v
+    del sdpa
     torch.cuda.empty_cache()
     return row
 
