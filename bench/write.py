@@ -1,4 +1,5 @@
-"""Benchmark: the INT2 write path of a prefill at 100K tokens x 8 KV heads x d 128 (one layer), on the GPU.
+"""Benchmark: the INT2 write path of a prefill at 100K tokens x 8 KV heads x d 128 (one layer; --head-dim 256 for
+Gemma 3's heads), on the GPU.
 
 Every row moves the same bytes a side: the BF16 keys (or values) in, the INT2 codes and each group's scale and
 zero codes out; effective bandwidth = those bytes over the median time (do_bench), against the device's copy
@@ -11,8 +12,10 @@ bandwidth (bytes read plus written). Rows:
   128), and the torch reference (kvstore.append) that wrote keys-per-channel prefills before prefill_kv; prefill_kv
   over a sweep of tile, waves, stages, the register cap and loading a tile ahead.
 Codes agree with kvstore's reference on a 4,096-token prefill (share of equal codes, scale and zero codes).
-For a bare GPU image:
+At head_dim 256 a program rotates C = 128 channels (write.columns; the sweep adds C = 64) and the sweep is smaller
+(tiles of 64 and 32, waves 2-8, loading ahead or not). For a bare GPU image:
     PYTHONPATH=. python3 bench/write.py --out bench/results/write.md
+    PYTHONPATH=. python3 bench/write.py --head-dim 256 --out bench/results/write_d256.md
 """
 
 import argparse
@@ -58,15 +61,23 @@ def prefill_arms(lay, axis: str, g: int):
     if axis == "token":
         arms["append_kv (bt 64)"] = lambda st, k, v: write.append_kv(st, k, v, *split, lay.key_clip, lay.value_clip,
                                                                      evict=False)
-    settings = [(waves, 1, regs, ahead) for waves in (2, 4, 8) for regs in (None, 168) for ahead in (False, True)]
-    settings.append((4, 2, None, False))
-    for bt in ((64, 128) if axis == "token" or g == 128 else (g,)):      # blocks of 128 in tiles of 64 or one tile
-        for waves, stages, regs, ahead in settings:
+    if D > 128:
+        settings = [(waves, 1, None, ahead, c) for waves in (2, 4, 8) for ahead in (False, True)
+                    for c in ((128, 64) if g <= 64 else (128,))]        # a group within a program's channels
+        tiles = (64, 32) if axis == "token" else (64,)
+    else:
+        settings = [(waves, 1, regs, ahead, None) for waves in (2, 4, 8) for regs in (None, 168)
+                    for ahead in (False, True)]
+        settings.append((4, 2, None, False, None))
+        tiles = (64, 128) if axis == "token" or g == 128 else (g,)      # blocks of 128 in tiles of 64 or one tile
+    for bt in tiles:
+        for waves, stages, regs, ahead, c in settings:
             cap = f" registers {regs}" if regs else ""
-            arms[f"prefill_kv bt {bt} waves {waves} stages {stages}{cap} ahead {int(ahead)}"] = (
-                lambda st, k, v, bt=bt, waves=waves, stages=stages, regs=regs, ahead=ahead: write.prefill_kv(
+            cols = f" columns {c}" if c else ""
+            arms[f"prefill_kv bt {bt} waves {waves} stages {stages}{cap} ahead {int(ahead)}{cols}"] = (
+                lambda st, k, v, bt=bt, waves=waves, stages=stages, regs=regs, ahead=ahead, c=c: write.prefill_kv(
                     st, k, v, *split, lay.key_clip, lay.value_clip, block_t=bt, waves=waves, num_stages=stages,
-                    registers=regs, ahead=ahead))
+                    registers=regs, ahead=ahead, columns_a_program=c))
     return arms
 
 
@@ -103,15 +114,20 @@ def bench_side(gen, bandwidth: float) -> list[dict]:
     split = write.prepare_rotation(lay.key_rotation, lay.key_mean)
     arms = {"write_int2 (splits R each call)": lambda xx, **kw: write.write_int2(xx, lay.key_rotation, lay.key_clip,
                                                                                   64, lay.key_mean)}
-    settings = [(bt, waves, 1, regs, ahead) for bt in (64, 128) for waves in (2, 4) for regs in (None, 128, 168)
-                for ahead in (False, True)]
-    settings += [(128, 2, stages, 128, False) for stages in (2, 3)]
-    for bt, waves, stages, regs, ahead in settings:
+    if D > 128:
+        settings = [(bt, waves, 1, None, ahead, c) for bt in (64, 32) for waves in (2, 4) for ahead in (False, True)
+                    for c in (128, 64)]
+    else:
+        settings = [(bt, waves, 1, regs, ahead, None) for bt in (64, 128) for waves in (2, 4)
+                    for regs in (None, 128, 168) for ahead in (False, True)]
+        settings += [(128, 2, stages, 128, False, None) for stages in (2, 3)]
+    for bt, waves, stages, regs, ahead, c in settings:
         cap = f" registers {regs}" if regs else ""
-        arms[f"write_int2_prepared bt {bt} waves {waves} stages {stages}{cap} ahead {int(ahead)}"] = (
-            lambda xx, bt=bt, waves=waves, stages=stages, regs=regs, ahead=ahead: write.write_int2_prepared(
+        cols = f" columns {c}" if c else ""
+        arms[f"write_int2_prepared bt {bt} waves {waves} stages {stages}{cap} ahead {int(ahead)}{cols}"] = (
+            lambda xx, bt=bt, waves=waves, stages=stages, regs=regs, ahead=ahead, c=c: write.write_int2_prepared(
                 xx, split, lay.key_clip, 64, block_t=bt, waves=waves, num_stages=stages, registers=regs,
-                ahead=ahead))
+                ahead=ahead, columns_a_program=c))
     rows = []
     for name, fn in arms.items():
         same = min((a == b).float().mean().item() for a, b in zip(fn(x[:4096]), ref))
@@ -124,7 +140,7 @@ def bench_side(gen, bandwidth: float) -> list[dict]:
 
 
 def render(rows: list[dict], bandwidth: float) -> str:
-    lines = ["# INT2 write path at 100K tokens x 8 KV heads x d 128 (bench/write.py)", "",
+    lines = [f"# INT2 write path at 100K tokens x {HEADS} KV heads x d {D} (bench/write.py)", "",
              f"{torch.cuda.get_device_properties(0).name}; torch {torch.__version__}; "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; copy bandwidth "
              f"{bandwidth / 1e12:.2f} TB/s (read + write). Effective bandwidth: BF16 in plus INT2 codes, scale and zero "
@@ -142,9 +158,12 @@ def render(rows: list[dict], bandwidth: float) -> str:
 
 
 def main():
+    global D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/write.md")
+    ap.add_argument("--head-dim", type=int, default=D, choices=(64, 128, 256))
     args = ap.parse_args()
+    D = args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth()
     rows = bench_side(gen, bandwidth)

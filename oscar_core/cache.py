@@ -614,9 +614,10 @@ def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
         return "the write kernel quantizes key blocks of 16 to 256 tokens"
     if lm.key.axis == "channel" and head_dim < 32:
         return "the write kernel quantizes keys per channel at head_dim 32 or more"
-    if head_dim > 128:
-        # R split in two bf16 [d, d] tiles: 256 KiB of shared memory at d = 256, over the H100's 227 KiB
-        return "the write kernel holds R in shared memory up to head_dim 128"
+    channel_groups = [s.group_size for s in (lm.key, lm.value) if s.axis == "token"]
+    if head_dim > 128 and max(channel_groups, default=0) > 128:
+        # A program rotates 128 channels at head_dim 256 (triton/write.py's columns: R's columns in shared memory).
+        return "the write kernel quantizes groups of up to 128 channels at head_dim 256"
     return None
 
 

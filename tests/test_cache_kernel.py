@@ -242,7 +242,7 @@ def test_append_kernel_matches_reference():
             assert (a == b).float().mean() > 0.98 and (a - b).abs().max() <= 1
 
 
-@pytest.mark.parametrize("d,group", [(64, 64), (128, 64), (128, 128)])
+@pytest.mark.parametrize("d,group", [(64, 64), (128, 64), (128, 128), (256, 128)])
 def test_write_kernel_codes_equal_reference(d, group):
     gen = torch.Generator().manual_seed(d + group)
     tokens, heads = 45, 3
@@ -339,6 +339,58 @@ def test_key_blocks_in_two_tiles_write_what_one_tile_writes(ahead):
     assert (codes[0] == codes[1]).float().mean() > 0.99
 
 
+def assert_store_matches(got, ref, codes_equal=0.98, meta_equal=0.97):
+    """got (the Triton writes) against ref (kvstore's torch writes): BF16 windows within a bf16 step, INT2 codes equal
+    but for a small share, and those one code step apart (the kernels' reciprocals, write.py's docstring)."""
+    for name in ("key_sink", "value_sink", "key_recent", "value_recent"):
+        a, b = getattr(got, name).float().cpu(), getattr(ref, name).float()
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-3).all(), name
+    for side in ("key", "value"):
+        codes = [quant.unpack_int2(getattr(c, f"{side}_codes")).cpu().int() for c in (got, ref)]
+        assert (codes[0] == codes[1]).float().mean() > codes_equal, side
+        assert (codes[0] - codes[1]).abs().max() <= 1, side
+        for name in ("scale", "zero"):
+            a, b = getattr(got, f"{side}_{name}").cpu().int(), getattr(ref, f"{side}_{name}").int()
+            assert (a == b).float().mean() > meta_equal and (a - b).abs().max() <= 1, (side, name)
+
+
+@pytest.mark.parametrize("axis,layout", [("token", "tiles"), ("channel", "rows")])
+def test_write_kernels_at_head_dim_256(axis, layout):
+    """head_dim 256 (Gemma 3), where each program rotates half the channels (write.columns): prefill_kv with left
+    pads, then decode steps through append_kv (and leave_blocks, keys per channel) against kvstore.append."""
+    gen = torch.Generator().manual_seed(256)
+    bsz, heads, d, s, w, g, gv = 2, 2, 256, 4, 8, 16 if axis == "channel" else 64, 128
+    assert write.columns(d) == 128
+    layer, on, kr, vr = two_head_layer(gen, heads, d)
+    kw = dict(key_axis=axis, value_layout=layout)
+    ref = kvstore.empty_cache(bsz, heads, d, 90, g, gv, s, w, **kw)
+    got = kvstore.empty_cache(bsz, heads, d, 90, g, gv, s, w, device=DEVICE, **kw)
+    scale = torch.linspace(0.3, 3, d)
+
+    def tokens(n):
+        return (torch.randn(bsz, heads, n, d, generator=gen) * scale).bfloat16(), \
+            torch.randn(bsz, heads, n, d, generator=gen).bfloat16()
+
+    k, v = tokens(50)
+    pads = torch.tensor([0, 9], dtype=torch.int32)
+    for c, p in ((ref, pads), (got, pads.to(DEVICE))):
+        kvstore.advance(c, 50, p)
+    kvstore.append(ref, k, v, layer, pads)
+    write.prefill_kv(got, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"], block_t=16)
+    for _ in range(20):
+        k, v = tokens(1)
+        kvstore.advance(ref, 1)
+        kvstore.advance(got, 1)
+        kvstore.append(ref, k, v, layer)
+        if axis == "channel":
+            write.leave_blocks(got, on["key_clip"], on["value_clip"], 1)
+        write.append_kv(got, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"],
+                        evict=axis == "token")
+    assert got.lengths.tolist() == ref.lengths.tolist() == [70, 61]
+    assert min(ref.int2_tokens().tolist()) >= 48
+    assert_store_matches(got, ref)
+
+
 def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     from oscar_core import methods
     from oscar_core.cache import kernel_problem, write_problem
@@ -346,7 +398,10 @@ def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     lm = methods.layer_method("int2", 0, 2, 256, None)
     assert kernel_problem(lm, 2, 256, query_heads=16) is None
     assert "16 query heads per KV head" in kernel_problem(lm, 2, 256, query_heads=40)
-    assert "head_dim 128" in write_problem(lm, 256)
+    assert write_problem(lm, 256) is None       # two programs a head, 128 channels each (write.columns)
+    wide = methods.LayerMethod(methods.Side(256), methods.Side(64))
+    assert "groups of up to 128 channels" in write_problem(wide, 256)
+    assert write_problem(methods.LayerMethod(methods.Side(64, "channel"), methods.Side(128)), 256) is None
     lm = methods.layer_method("int2", 0, 2, 256, None)
     channel = methods.LayerMethod(methods.Side(8, "channel"), lm.value)
     assert "blocks of 16 to 256 tokens" in write_problem(channel, 64)

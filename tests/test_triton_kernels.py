@@ -208,6 +208,21 @@ def test_decode_kernel_result_does_not_depend_on_max_length():
     assert (decode._counters(torch.device(DEVICE), 2) == 0).all()
 
 
+def test_reduce_over_many_splits_drops_the_empty_ones():
+    """Beyond 64 splits a (sequence, KV head) the reduce loads each split's partials beside its l (not gated on it):
+    a short sequence's empty splits, whose partials are never written, still count for nothing."""
+    gen = torch.Generator().manual_seed(6)
+    cache, layer, q = build(gen, [5000, 200], 8, 2, 64, 64, 64, sink=16, recent=32)
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
+                                             layer.value_mean, 0.125)
+    args = (q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE), layer.value_rotation.to(DEVICE),
+            layer.value_mean.to(DEVICE), 0.125)
+    plan = decode.launch_plan(args[0], args[1], block_n=64, waves=200, gluon=False)
+    assert plan.ns > 64 and not plan.reduce_consts["GATED"]
+    out = decode.decode_attention(*args, block_n=64, waves=200, gluon=False, graph=False)
+    assert relative_errors(out, ref).max() < 1e-2
+
+
 def test_decode_kernel_default_settings_for_many_sequences():
     """17+ (sequence, KV head) pairs take default_config's one-warp programs."""
     lengths = [700, 450, 321, 330, 600, 64, 500, 360, 420]

@@ -341,8 +341,8 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
         m = m_new
 
         if VT:
-            halves = tl.load(vc_ptr.to(tl.pointer_type(tl.int16)) + code_offsets(bh.to(tl.int64) * T + n, D, True),
-                             mask=valid[:, None], other=0)
+            offsets = code_offsets(bh.to(tl.int64) * T + n, 0, D, D, True)
+            halves = tl.load(vc_ptr.to(tl.pointer_type(tl.int16)) + offsets, mask=valid[:, None], other=0)
             vp = tl.reshape(tl.join(halves.to(tl.uint8), (halves >> 8).to(tl.uint8)), [BLOCK_N, DB])
         else:
             vp = tl.load(vc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
@@ -387,9 +387,10 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
 
 @triton.jit
 def _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-            CACHE: tl.constexpr):
+            CACHE: tl.constexpr, GATED: tl.constexpr = True):
     """õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s over the NS splits whose partials start at row
-    base: SB splits a step with a running max; splits with l_s = 0 (empty) are left unread. CACHE: the loads'
+    base: SB splits a step with a running max; splits with l_s = 0 (empty) count for nothing: with GATED their
+    partials are left unread (a load that waits on l_s), else loaded beside l_s and dropped. CACHE: the loads'
     cache modifier (".cg" for partials another program of this launch wrote)."""
     m_run = tl.full([r.shape[0]], -1e30, tl.float32)
     l_sum = tl.zeros([r.shape[0]], tl.float32)
@@ -400,8 +401,13 @@ def _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG: tl.constexpr, D: 
         idx = base + s[:, None] * HG + r[None, :]
         ms = tl.load(pm_ptr + idx, mask=mask, other=-1e30, cache_modifier=CACHE)
         ls = tl.load(pl_ptr + idx, mask=mask, other=0.0, cache_modifier=CACHE)
-        part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=(mask & (ls > 0))[:, :, None],
-                       other=0.0, cache_modifier=CACHE)
+        if GATED:
+            part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=(mask & (ls > 0))[:, :, None],
+                           other=0.0, cache_modifier=CACHE)
+        else:
+            part = tl.load(po_ptr + idx[:, :, None] * D + c[None, None, :], mask=mask[:, :, None], other=0.0,
+                           cache_modifier=CACHE)
+            part = tl.where((ls > 0)[:, :, None], part, 0.0)
         m_new = tl.maximum(m_run, tl.max(ms, axis=0))
         alpha = tl.exp2(m_run - m_new)
         w = tl.exp2(ms - m_new[None, :])
@@ -492,7 +498,8 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
 @triton.jit
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
                    HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
-                   SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr, PDL: tl.constexpr):
+                   SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr, PDL: tl.constexpr,
+                   GATED: tl.constexpr):
     """Program (bh, j), for the columns c of block j ([j·BLOCK_C, (j + 1)·BLOCK_C)):
       õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s   (SB splits a step, running max; splits
                                                                  with l_s = 0 are empty and left unread)
@@ -500,7 +507,7 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     and the last of the D / BLOCK_C programs of bh (an atomic counter, which it resets) writes
     o = Σ_j y_j + μ_V, the partials summed in a fixed order. Every partial is read once, and no program
     waits on a serial chain of products. PDL: launched as a programmatic dependent of the split programs,
-    it loads its R_V columns before gdc_wait and the partials after."""
+    it loads its R_V columns before gdc_wait and the partials after. GATED: _merged's."""
     bh = tl.program_id(0)
     j = tl.program_id(1)
     c0 = j * BLOCK_C
@@ -513,7 +520,7 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])       # R_V[e, c] as [c, e]
     if PDL:
         gdc_wait()
-    o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "")
+    o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
     y = tl.sum(o[:, :, None] * rvt[None, :, :], axis=1)
     ys = py_ptr + (bh * (D // BLOCK_C) * HGP + r[:, None]) * D + e[None, :]
     tl.store(ys + j * HGP * D, y)
@@ -1067,7 +1074,11 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     split = bsz * kv_heads * ns * hg
     # Columns of õ a reduce program merges and rotates: 8 at 8 (sequence, KV head) pairs or fewer, twice the
     # programs (H100, graph, 32K x 1 and 100K x 1: 1-3% faster; at batch 8 0.5-3% slower; kernel_notes.md v15).
+    # Not 4: with 16 heads a KV head its programs gave wrong outputs on the H100 (triton 3.6; kernel_notes.md v20).
     block_c = min(d, 8 if few_pairs else 16)
+    # Beyond 64 splits the partials are loaded beside their l_s (H100, graph, 100K x 8: Qwen2.5-0.5B's 136 splits
+    # 0.0580 -> 0.0566 ms; at 38 splits, Qwen3-8B, 0.1-1.2% slower; kernel_notes.md v20).
+    gated = _pow2(ns) <= 64
     shares = 0 if fused else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
     launch = dict(launch_pdl=True) if pdl else {}
     return _Plan(
@@ -1083,4 +1094,4 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         reduce_grid=(bsz * kv_heads, d // block_c),
         reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),
                                                                            max(8, _pow2(ns))),
-                           BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, num_warps=4, **launch))
+                           BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, GATED=gated, num_warps=4, **launch))

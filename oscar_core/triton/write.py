@@ -41,6 +41,11 @@ block's slots are not reused before it has left). Appends longer than W are the 
 
 Value codes in 64-row tiles (a store whose value_layout is "tiles", kvstore.Int2KVCache): every writer stores a
 row's value bytes through code_offsets, each 16-bit half into its tile's slot; key codes keep their rows.
+
+Channels a program (columns): each program rotates and quantizes C channels of its tokens, y[:, c0:c0 + C] =
+(x − μ)·R[:, c0:c0 + C], holding those columns of R; C is the whole head up to head_dim 128 and 128 at 256, where
+the whole R (two bf16 [256, 256] tiles) would not fit a multiprocessor's shared memory. A group of channels never
+spans two programs, and a key block's channels are independent, so the programs of one head share nothing.
 """
 
 import functools
@@ -117,12 +122,13 @@ def _rotate(x, r_hi, r_lo, acc, F32: tl.constexpr, T: tl.constexpr = False):
 
 
 @triton.jit
-def _start(mr_ptr, h, BT: tl.constexpr, D: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """The rotation's accumulator before the products: −μ·R of head h broadcast over BT rows (zeros without a mean)."""
+def _start(mr_ptr, h, c0, BT: tl.constexpr, D: tl.constexpr, C: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """The rotation's accumulator before the products: columns [c0, c0 + C) of −μ·R of head h broadcast over BT
+    rows (zeros without a mean)."""
     if HAS_MEAN:
-        acc = tl.broadcast_to(-tl.load(mr_ptr + h * D + tl.arange(0, D))[None, :], [BT, D])
+        acc = tl.broadcast_to(-tl.load(mr_ptr + h * D + c0 + tl.arange(0, C))[None, :], [BT, C])
     else:
-        acc = tl.zeros([BT, D], tl.float32)
+        acc = tl.zeros([BT, C], tl.float32)
     return acc
 
 
@@ -187,14 +193,14 @@ def _tile_slot(m):
 
 
 @triton.jit
-def code_offsets(row, D: tl.constexpr, TILED: tl.constexpr):
-    """Where the codes of rows `row` [BT] (b·H_kv·T + h·T + r) go in a store's code tensor: byte j of row r at
-    byte r·D/4 + j ([BT, D/4]); with TILED (value codes, value_layout "tiles") half h of row r at 16-bit slot
-    (r div 64)·8D + 64h + tile_slot(r mod 64) ([BT, D/8])."""
+def code_offsets(row, c0, D: tl.constexpr, C: tl.constexpr, TILED: tl.constexpr):
+    """Where the codes of channels [c0, c0 + C) of rows `row` [BT] (b·H_kv·T + h·T + r) go in a store's code
+    tensor: byte j of row r at byte r·D/4 + j ([BT, C/4], j from c0/4); with TILED (value codes, value_layout
+    "tiles") half h of row r at 16-bit slot (r div 64)·8D + 64h + tile_slot(r mod 64) ([BT, C/8], h from c0/8)."""
     if TILED:
-        off = ((row // 64) * (8 * D) + _tile_slot(row % 64))[:, None] + 64 * tl.arange(0, D // 8)[None, :]
+        off = ((row // 64) * (8 * D) + _tile_slot(row % 64))[:, None] + 64 * (c0 // 8 + tl.arange(0, C // 8))[None, :]
     else:
-        off = (row * (D // 4))[:, None] + tl.arange(0, D // 4)[None, :]
+        off = (row * (D // 4))[:, None] + (c0 // 4 + tl.arange(0, C // 4))[None, :]
     return off
 
 
@@ -213,18 +219,21 @@ def _store_int2(codes_ptr, scale_ptr, zero_ptr, code_off, base_m, y, clip, mask,
 @triton.jit
 def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_ptr, zero_ptr, tokens, n_tiles,
                   sx_t, sx_h, sc_t, sc_h, ss_t, ss_h, sz_t, sz_h,
-                  D: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, HAS_MEAN: tl.constexpr,
+                  D: tl.constexpr, C: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, HAS_MEAN: tl.constexpr,
                   AHEAD: tl.constexpr, F32: tl.constexpr):
-    """Program (p, h) quantizes tiles p, p + P, ... of BLOCK_T tokens of head h, R loaded once; with AHEAD
-    the next tile's load is issued before this tile's work."""
+    """Program (p, h, k) quantizes channels [kC, kC + C) of tiles p, p + P, ... of BLOCK_T tokens of head h, its
+    columns of R loaded once; with AHEAD the next tile's load is issued before this tile's work."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    c0 = 0
+    if D > C:
+        c0 = tl.program_id(2) * C
     c = tl.arange(0, D)
-    rot = h * D * D + c[:, None] * D + c[None, :]
+    rot = h * D * D + c[:, None] * D + c0 + tl.arange(0, C)[None, :]
     r_hi = tl.load(rhi_ptr + rot)
     r_lo = tl.load(rlo_ptr + rot)
     clip = tl.load(clip_ptr + h)
-    start = _start(mr_ptr, h, BLOCK_T, D, HAS_MEAN)
+    start = _start(mr_ptr, h, c0, BLOCK_T, D, C, HAS_MEAN)
     i = tl.arange(0, BLOCK_T)
     if AHEAD:
         x = _token_tile(x_ptr, pid, tokens, sx_t, sx_h, h, D, BLOCK_T)
@@ -237,9 +246,9 @@ def _write_kernel(x_ptr, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, codes_ptr, scale_pt
         t0 = tile * BLOCK_T
         t64 = t0.to(tl.int64)
         y = _rotate(x, r_hi, r_lo, start, F32)
-        _store_int2(codes_ptr + (t64 * sc_t + h * sc_h), scale_ptr + (t64 * ss_t + h * ss_h),
-                    zero_ptr + (t64 * ss_t + h * ss_h), (i * sc_t)[:, None] + tl.arange(0, D // 4)[None, :], i * ss_t,
-                    y, clip, t0 + i < tokens, BLOCK_T, D, G, F32)
+        _store_int2(codes_ptr + (t64 * sc_t + h * sc_h + c0 // 4), scale_ptr + (t64 * ss_t + h * ss_h + c0 // G),
+                    zero_ptr + (t64 * ss_t + h * ss_h + c0 // G), (i * sc_t)[:, None] + tl.arange(0, C // 4)[None, :],
+                    i * ss_t, y, clip, t0 + i < tokens, BLOCK_T, C, G, F32)
         if AHEAD:
             x = x_next
 
@@ -256,14 +265,16 @@ def _token_tile(x_ptr, tile, tokens, sx_t, sx_h, h, D: tl.constexpr, BT: tl.cons
 @triton.jit
 def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
                  sink_ptr, ring_ptr, codes_ptr, scale_ptr, zero_ptr, len_ptr, start_ptr,
-                 tile, h, rows, n, t0, piece, T,
-                 H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                 tile, h, c0, rows, n, t0, piece, T,
+                 H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  BT: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_START: tl.constexpr, EVICT: tl.constexpr,
                  DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, TILED: tl.constexpr):
-    """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h (module docstring);
-    R ring slots (W, or W + G for keys per channel); TILED: codes in 64-row tiles (code_offsets)."""
+    """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h, its channels [c0, c0 + C)
+    (module docstring); R ring slots (W, or W + G for keys per channel); TILED: codes in 64-row tiles
+    (code_offsets)."""
     NG: tl.constexpr = D // G
     c = tl.arange(0, D)
+    cc = c0 + tl.arange(0, C)
     r = tile * BT + tl.arange(0, BT)
     rmask = r < rows
     b = r // piece
@@ -278,29 +289,29 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     bh = (b * H + h).to(tl.int64)
     x = tl.load(x_ptr + b.to(tl.int64)[:, None] * sx_b + h * sx_h + t.to(tl.int64)[:, None] * sx_t + c[None, :],
                 mask=valid[:, None], other=0.0)
-    rot = h * D * D + c[:, None] * D + c[None, :]
-    y = _rotate(x, tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), _start(mr_ptr, h, BT, D, HAS_MEAN), F32)
+    rot = h * D * D + c[:, None] * D + cc[None, :]
+    y = _rotate(x, tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), _start(mr_ptr, h, c0, BT, D, C, HAS_MEAN), F32)
     clip = tl.load(clip_ptr + h)
     slot = (pos - S) % R
-    ring = ring_ptr + (bh * R + slot)[:, None] * D + c[None, :]
+    ring = ring_ptr + (bh * R + slot)[:, None] * D + cc[None, :]
     if EVICT:
         gone = pos - W
         evict = valid & (gone >= S) & (gone < length - n + first)
         kept = tl.load(ring, mask=evict[:, None], other=0.0).to(tl.float32)
         row = bh * T + gone - S
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, code_offsets(row, D, TILED), row * NG, kept, clip, evict, BT, D,
-                    G, F32, TILED)
+        _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_offsets(row, c0, D, C, TILED), row * NG,
+                    kept, clip, evict, BT, C, G, F32, TILED)
         tl.debug_barrier()   # every read of a ring slot before any write to it
     in_sink = valid & (pos < S)
     in_ring = valid & (pos >= S) & (pos >= length - W)
     yb = y.to(tl.bfloat16)
-    tl.store(sink_ptr + (bh * S + pos)[:, None] * D + c[None, :], yb, mask=in_sink[:, None])
+    tl.store(sink_ptr + (bh * S + pos)[:, None] * D + cc[None, :], yb, mask=in_sink[:, None])
     tl.store(ring, yb, mask=in_ring[:, None])
     if DIRECT:
         direct = valid & (pos >= S) & (pos < length - W)
         row = bh * T + pos - S
-        _store_int2(codes_ptr, scale_ptr, zero_ptr, code_offsets(row, D, TILED), row * NG, y, clip, direct, BT, D, G,
-                    F32, TILED)
+        _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_offsets(row, c0, D, C, TILED), row * NG,
+                    y, clip, direct, BT, C, G, F32, TILED)
 
 
 @triton.jit
@@ -309,24 +320,26 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                    ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr,
                    vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
                    len_ptr, start_ptr, rows, n, t0, piece, T, n_tiles,
-                   H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
-                   W: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr, V_MEAN: tl.constexpr,
+                   H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+                   S: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr, V_MEAN: tl.constexpr,
                    HAS_START: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr,
                    F32: tl.constexpr, R: tl.constexpr, VT: tl.constexpr):
-    """Grid (P, H_kv, 2): program (p, h, side) appends row tiles p, p + P, ... of one side; VT: value codes in
-    64-row tiles."""
+    """Grid (P, H_kv, 2·D/C): program (p, h, side·D/C + k) appends channels [kC, kC + C) of row tiles p, p + P, ...
+    of one side; VT: value codes in 64-row tiles."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    side = tl.program_id(2) // (D // C)
+    c0 = tl.program_id(2) % (D // C) * C
     for tile in range(pid, n_tiles, tl.num_programs(0)):
-        if tl.program_id(2) == 0:
+        if side == 0:
             _append_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr,
                          ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, start_ptr,
-                         tile, h, rows, n, t0, piece, T, H, D, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT,
+                         tile, h, c0, rows, n, t0, piece, T, H, D, C, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT,
                          F32, R, False)
         else:
             _append_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                          vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, start_ptr,
-                         tile, h, rows, n, t0, piece, T, H, D, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT,
+                         tile, h, c0, rows, n, t0, piece, T, H, D, C, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT,
                          F32, R, VT)
 
 
@@ -341,15 +354,16 @@ def _int2_tile(xb, k, S, first, int2_end, sx_t, D: tl.constexpr, BT: tl.constexp
 
 @triton.jit
 def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, sink_ptr, ring_ptr,
-                  codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, n, T,
-                  H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
-                  R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  AHEAD: tl.constexpr, F32: tl.constexpr, TILED: tl.constexpr):
-    """One side of sequence b, KV head h: program p takes INT2 tiles p, p + P, ... of BT positions, then BF16
-    tiles (sink, ring) p, p + P, ...: two loops without branches (prefill_kv)."""
+                  codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, c0, n, T,
+                  H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                  W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr,
+                  HAS_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr, TILED: tl.constexpr):
+    """One side of sequence b, KV head h, its channels [c0, c0 + C): program p takes INT2 tiles p, p + P, ... of
+    BT positions, then BF16 tiles (sink, ring) p, p + P, ...: two loops without branches (prefill_kv)."""
     NG: tl.constexpr = D // G
     J0: tl.constexpr = (S + BT - 1) // BT
     c = tl.arange(0, D)
+    cc = c0 + tl.arange(0, C)
     i = tl.arange(0, BT)
     clip = tl.load(clip_ptr + h)
     length = tl.load(len_ptr + b)
@@ -359,16 +373,16 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
     xb = x_ptr + (b.to(tl.int64) * sx_b + h * sx_h)
     n_int2 = int2_end - S
     if COLUMNS:
-        # Key blocks transposed, [D, BT] with rows in _byte_order: the factors as Rᵀ, rows reordered.
-        order = _byte_order(D)
+        # Key blocks transposed, [C, BT] with rows in _byte_order: the factors as Rᵀ, rows reordered.
+        order = c0 + _byte_order(C)
         rot = h * D * D + c[None, :] * D + order[:, None]
         if HAS_MEAN:
-            start = tl.broadcast_to(-tl.load(mr_ptr + h * D + order)[:, None], [D, BT])
+            start = tl.broadcast_to(-tl.load(mr_ptr + h * D + order)[:, None], [C, BT])
         else:
-            start = tl.zeros([D, BT], tl.float32)
+            start = tl.zeros([C, BT], tl.float32)
     else:
-        rot = h * D * D + c[:, None] * D + c[None, :]
-        start = _start(mr_ptr, h, BT, D, HAS_MEAN)
+        rot = h * D * D + c[:, None] * D + cc[None, :]
+        start = _start(mr_ptr, h, c0, BT, D, C, HAS_MEAN)
     r_hi = tl.load(rhi_ptr + rot)
     r_lo = tl.load(rlo_ptr + rot)
     # INT2 tiles: positions S + k·BT + i below int2_end (the last tile may end in the ring: masked). With
@@ -394,10 +408,10 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                 hi = tl.maximum(hi, tl.max(y1, axis=1))
             code, inv, zero = _group_params(lo, hi, clip, F32)
             row0 = bh * T + kb * TB
-            cp = codes_ptr + row0 * (D // 4) + (i[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None])
-            tl.store(cp, _pack_columns(y, inv, zero, BT, D, F32))
+            cp = codes_ptr + row0 * (D // 4) + c0 // 4 + (i[None, :] * (D // 4) + tl.arange(0, C // 4)[:, None])
+            tl.store(cp, _pack_columns(y, inv, zero, BT, C, F32))
             if HALVES == 2:
-                tl.store(cp + BT * (D // 4), _pack_columns(y1, inv, zero, BT, D, F32))
+                tl.store(cp + BT * (D // 4), _pack_columns(y1, inv, zero, BT, C, F32))
             tl.store(scale_ptr + (bh * (T // TB) + kb) * D + order, code.to(tl.uint8))
             tl.store(zero_ptr + (bh * (T // TB) + kb) * D + order, zero.to(tl.int8))
             if AHEAD:
@@ -419,12 +433,12 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                 base, local = (row0 // 64) * (16 * D), (row0 % 64).to(tl.int32) + i
             else:
                 base, local = row0 * (D // 4), i
-            _store_int2(codes_ptr + base, scale_ptr + row0 * NG, zero_ptr + row0 * NG, code_offsets(local, D, TILED),
-                        i * NG, y, clip, in_int2, BT, D, G, F32, TILED)
+            _store_int2(codes_ptr + base, scale_ptr + row0 * NG + c0 // G, zero_ptr + row0 * NG + c0 // G,
+                        code_offsets(local, c0, D, C, TILED), i * NG, y, clip, in_int2, BT, C, G, F32, TILED)
             if AHEAD:
                 x = x_next
     # The BF16 tiles in channel order.
-    rot = h * D * D + c[:, None] * D + c[None, :]
+    rot = h * D * D + c[:, None] * D + cc[None, :]
     r_hi = tl.load(rhi_ptr + rot)
     r_lo = tl.load(rlo_ptr + rot)
     # BF16 tiles: the sink's J0, then the ring's, from the tile that holds position int2_end on.
@@ -436,9 +450,9 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
         valid = (pos < length) & ((j >= J0) | (pos < S))
         x = tl.load(xb + (p0 + first).to(tl.int64) * sx_t + (i[:, None] * sx_t + c[None, :]), mask=valid[:, None],
                     other=0.0)
-        yb = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, BT, D, HAS_MEAN), F32).to(tl.bfloat16)
-        tl.store(sink_ptr + bh * S * D + (pos[:, None] * D + c[None, :]), yb, mask=(valid & (pos < S))[:, None])
-        tl.store(ring_ptr + bh * R * D + (((pos - S) % R)[:, None] * D + c[None, :]), yb,
+        yb = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, c0, BT, D, C, HAS_MEAN), F32).to(tl.bfloat16)
+        tl.store(sink_ptr + bh * S * D + (pos[:, None] * D + cc[None, :]), yb, mask=(valid & (pos < S))[:, None])
+        tl.store(ring_ptr + bh * R * D + (((pos - S) % R)[:, None] * D + cc[None, :]), yb,
                  mask=(valid & (pos >= int2_end))[:, None])
 
 
@@ -448,26 +462,43 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                     ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr,
                     vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
                     len_ptr, n, T,
-                    H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
-                    W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr,
-                    V_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr, VT: tl.constexpr):
-    """Grid (P, B·H_kv, 2): program (p, b·H + h, side) writes tiles p, p + P, ... of one side of sequence b; VT:
-    value codes in 64-row tiles."""
+                    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+                    S: tl.constexpr, W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr,
+                    K_MEAN: tl.constexpr, V_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr,
+                    VT: tl.constexpr):
+    """Grid (P, B·H_kv, 2·D/C): program (p, b·H + h, side·D/C + k) writes channels [kC, kC + C) of tiles p, p + P,
+    ... of one side of sequence b; VT: value codes in 64-row tiles."""
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
-    if tl.program_id(2) == 0:
+    c0 = tl.program_id(2) % (D // C) * C
+    if tl.program_id(2) < D // C:
         _prefill_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, ksink_ptr, kring_ptr,
-                      kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, n, T, H, D, GK, S, W, R, TB, BT,
+                      kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, c0, n, T, H, D, C, GK, S, W, R, TB, BT,
                       TB > 1, K_MEAN, AHEAD, F32, False)
     else:
         _prefill_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr, vsink_ptr, vring_ptr,
-                      vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, n, T, H, D, GV, S, W, R, TB, BT,
+                      vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, c0, n, T, H, D, C, GV, S, W, R, TB, BT,
                       False, V_MEAN, AHEAD, F32, VT)
 
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def columns(head_dim: int, groups: tuple = (), want: int | None = None) -> int:
+    """Channels C a write program rotates and quantizes (want, or by default the whole head up to 128, else 128: two
+    programs a head at head_dim 256). A program holds its columns of R as two bf16 [d, C] tiles in shared memory:
+    64 KiB at d = C = 128; the whole R at head_dim 256 would take 256 KiB, over the H100's 227. Raises ValueError
+    where C does not divide the head or a group of channels (groups: those of the sides quantized per token) would
+    span two programs."""
+    c = want or min(head_dim, 128)
+    if head_dim % c or c < 16 or c & (c - 1):
+        raise ValueError(f"a write program takes a power-of-two share of head_dim {head_dim} channels, not {c}")
+    if any(g > c for g in groups):
+        raise ValueError(f"the write kernels quantize groups of up to {c} channels a program at head_dim {head_dim}, "
+                         f"not {max(groups)}")
+    return c
 
 
 def prepare_rotation(rotation: torch.Tensor, mean: torch.Tensor | None = None):
@@ -492,13 +523,14 @@ def write_int2(x: torch.Tensor, rotation: torch.Tensor, clip: torch.Tensor, grou
 
 def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: int = 64, out=None,
                         block_t: int = 64, waves: int = 4, num_stages: int = 1, ahead: bool = True,
-                        registers: int | None = None):
+                        registers: int | None = None, columns_a_program: int | None = None):
     """write_int2 with the rotation already split: split = prepare_rotation(rotation, mean). Tiles of block_t
     tokens of one head a program, `waves` programs a multiprocessor, num_stages tiles of x in flight, `ahead`:
     each tile's load issued a tile early, `registers`: the cap a thread (None: ptxas's choice). The defaults are
     the fastest of bench/write.py's sweep on the H100: 4-warp programs of 64 tokens loading a tile ahead at
     ptxas's registers, four a multiprocessor (1.65 TB/s, against 1.49 for 8-warp ones of 128 tokens held to
-    128 registers)."""
+    128 registers); at head_dim 256 two programs a head, 128 channels each (`columns_a_program`, columns): 0.88
+    TB/s (bench/results/write_d256.md)."""
     tokens, heads, d = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
@@ -508,15 +540,21 @@ def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: 
                torch.empty(tokens, heads, d // group_size, dtype=torch.int8, device=x.device))
     codes, scale, zero = out
     r_hi, r_lo, mr = split
+    c = columns(d, (group_size,), columns_a_program)
     n_tiles = triton.cdiv(tokens, block_t)
-    programs = max(1, min(n_tiles, -(-waves * _num_sms(x.device) // heads)))
-    _write_kernel[(programs, heads)](
+    programs = max(1, min(n_tiles, -(-waves * _num_sms(x.device) // (heads * (d // c)))))
+    _write_kernel[(programs, heads, d // c)](
         x, r_hi, r_lo, r_hi if mr is None else mr, clip.float().contiguous(), codes, scale, zero, tokens, n_tiles,
         x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
-        zero.stride(0), zero.stride(1), D=d, G=group_size, BLOCK_T=block_t, HAS_MEAN=mr is not None, AHEAD=ahead,
+        zero.stride(0), zero.stride(1), D=d, C=c, G=group_size, BLOCK_T=block_t, HAS_MEAN=mr is not None, AHEAD=ahead,
         F32=not x.is_cuda, num_warps=4 if block_t <= 64 else 8,
         num_stages=num_stages, **({"maxnreg": registers} if x.is_cuda and registers else {}))
     return codes, scale, zero
+
+
+def _channel_groups(cache) -> tuple:
+    """The group sizes a store quantizes along channels: values', and keys' where they are per token."""
+    return (cache.value_group_size,) + ((cache.key_group_size,) if cache.key_axis == "token" else ())
 
 
 def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
@@ -532,6 +570,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
     if cache.key_axis == "channel" and (evict or n > cache.recent_tokens):
         raise ValueError("append_kv writes keys per channel only after leave_blocks: evict=False, n ≤ W")
     s, w = cache.sink_tokens, cache.recent_tokens
+    c = columns(d, _channel_groups(cache))
     rows_cap = cache.key_codes.shape[2]
     piece = w if evict and n > w else n
     bt = block_t or (16 if bsz * piece <= 16 else 64)
@@ -539,24 +578,24 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
         p = min(piece, n - t0)
         rows = bsz * p
         n_tiles = triton.cdiv(rows, bt)
-        programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * heads))))
+        programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * heads * (d // c)))))
         (khi, klo, kmr), (vhi, vlo, vmr) = key_rot, value_rot
-        _append_kernel[(programs, heads, 2)](
+        _append_kernel[(programs, heads, 2 * (d // c))](
             keys, keys.stride(0), keys.stride(1), keys.stride(2),
             values, values.stride(0), values.stride(1), values.stride(2),
             khi, klo, khi if kmr is None else kmr, key_clip, vhi, vlo, vhi if vmr is None else vmr, value_clip,
             cache.key_sink, cache.key_recent, cache.key_codes, cache.key_scale, cache.key_zero,
             cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero,
             cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles,
-            H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
+            H=heads, D=d, C=c, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
             K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
             DIRECT=n > w, F32=not keys.is_cuda, R=cache.ring_slots, VT=cache.value_tiles,
             num_warps=4 if bt <= 64 else 8)
 
 
 def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
-               value_clip: torch.Tensor, block_t: int = 64, waves: int = 4, num_stages: int = 1,
-               registers: int | None = 0, ahead: bool | None = None) -> None:
+               value_clip: torch.Tensor, block_t: int = 64, waves: int | None = None, num_stages: int = 1,
+               registers: int | None = 0, ahead: bool | None = None, columns_a_program: int | None = None) -> None:
     """Triton kvstore.append into an empty store (a prefill), keys per token or per channel: keys/values
     [B, H_kv, n, d] (any strides with unit channel stride), left-padded: sequence b's tokens are the last
     L_b = cache.lengths[b] of the n (the lengths already count them; leading pads are skipped). One launch
@@ -566,28 +605,29 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     bounds come from the lengths on the device (branches inside one loop made triton 3.6's pipeliner fail).
     key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]. registers: the cap on registers a
     thread (None: ptxas's choice); ahead: each INT2 tile's load issued a tile early, while the tile before it
-    is quantized. Defaults (0 and None): the fastest of bench/write.py's sweep on the H100, 4-warp programs of 64
-    tokens loading ahead at ptxas's registers; keys per channel in blocks of 128 run as two such tiles a block (1.73
-    TB/s, against 1.16 for 8-warp programs of one whole block held to 128 registers); 8-warp tiles (block_t 128) are
-    held to 128."""
+    is quantized; columns_a_program: the channels a program writes (columns). Defaults (0 and None): the fastest
+    of bench/write.py's sweep on the H100, 4-warp programs of 64 tokens loading ahead at ptxas's registers, four a
+    multiprocessor; keys per channel in blocks of 128 run as two such tiles a block (1.73 TB/s, against 1.16 for
+    8-warp programs of one whole block held to 128 registers); 8-warp tiles (block_t 128) are held to 128. At
+    head_dim 256 (two programs a head, 128 channels each) eight a multiprocessor, and no load ahead where a key
+    block spans two tiles (0.62-0.69 TB/s, against 0.03-0.04 for the torch reference; bench/results/write_d256.md)."""
     bsz, heads, n, d = keys.shape
-    if keys.is_cuda and d > 128:
-        # OscarCache writes such layers with torch (cache.write_problem).
-        raise ValueError(f"prefill_kv holds R in shared memory up to head_dim 128, not {d} (256 KiB at 256, over the "
-                         "H100's 227 KiB)")
+    c = columns(d, _channel_groups(cache), columns_a_program)
     s, tb = cache.sink_tokens, cache.token_block
     bt = max(min(tb, block_t), tb // 2) if tb > 1 else block_t
     registers = (128 if bt > 64 else None) if registers == 0 else registers
-    ahead = bt <= 64 if ahead is None else ahead
+    if ahead is None:
+        ahead = bt <= 64 and not (d > 128 and tb > bt)
+    waves = waves or (8 if d > 128 else 4)
     n_tiles = triton.cdiv(s, bt) + triton.cdiv(max(n - s, 0), bt)
-    programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * bsz * heads))))
+    programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * bsz * heads * (d // c)))))
     (khi, klo, kmr), (vhi, vlo, vmr) = key_rot, value_rot
-    _prefill_kernel[(programs, bsz * heads, 2)](
+    _prefill_kernel[(programs, bsz * heads, 2 * (d // c))](
         keys, keys.stride(0), keys.stride(1), keys.stride(2), values, values.stride(0), values.stride(1),
         values.stride(2), khi, klo, khi if kmr is None else kmr, key_clip, vhi, vlo, vhi if vmr is None else vmr,
         value_clip, cache.key_sink, cache.key_recent, cache.key_codes, cache.key_scale, cache.key_zero,
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
-        n, cache.key_codes.shape[2], H=heads, D=d, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
+        n, cache.key_codes.shape[2], H=heads, D=d, C=c, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
         AHEAD=ahead, F32=not keys.is_cuda, VT=cache.value_tiles, num_warps=4 if bt <= 64 else 8,
         num_stages=num_stages, **({"maxnreg": registers} if keys.is_cuda and registers else {}))
@@ -658,7 +698,7 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
             tl.store(kzero_ptr + meta, zero)
         else:
             y = tl.load(vring_ptr + slot[:, None] + c[None, :]).to(tl.float32)
-            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, code_offsets(row, D, VT), row * (D // GV), y,
+            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, code_offsets(row, 0, D, D, VT), row * (D // GV), y,
                         tl.load(vclip_ptr + h), t < G, G, D, GV, F32, VT)
 
 
