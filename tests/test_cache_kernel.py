@@ -506,14 +506,16 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
     assert err.max() < 5e-2, err
 
 
-def test_kernel_reads_beside_sliding_rings():
-    """Gemma 3 (layers 0 and 2 slide over 8 tokens, BF16 rings; layer 1 global, INT2): inside oscar_attention the
-    global layer decodes by the kernel and the rings by sdpa under the model's sliding mask, in a left-padded batch;
-    against each sequence decoded alone through torch reads."""
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 256])
+def test_kernel_reads_beside_sliding_rings(head_dim):
+    """Gemma 3 (layers 0 and 2 slide over 8 tokens, BF16 rings; layer 1 global, INT2; its own head_dim, 256, too):
+    inside oscar_attention the global layer is written and decoded by the kernels and the rings by sdpa under the
+    model's sliding mask, in a left-padded batch; against each sequence decoded alone through torch writes and
+    reads."""
     import transformers as tf
 
     config = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_attention_heads=HEADS,
-                                 num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=256,
+                                 num_key_value_heads=KV_HEADS, head_dim=head_dim, vocab_size=256,
                                  max_position_embeddings=256, sliding_window=8,
                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     config._attn_implementation = "sdpa"
@@ -534,6 +536,7 @@ def test_kernel_reads_beside_sliding_rings():
     with oscar_attention(model, by_kernel):
         got = decode_logits(model, by_kernel, ids, steps=3, mask=mask)
     assert len(calls) == 3 and by_kernel.layers[0].keys.shape[2] == 7
+    assert by_kernel.layers[1].write is not None        # the Triton write kernels, at head_dim 256 too
     for b, start in ((0, 0), (1, 15)):
         want = decode_logits(model, cache(False), ids[b:b + 1, start:], steps=3)
         err = (got[b] - want[0]).norm(dim=-1) / want[0].norm(dim=-1)
