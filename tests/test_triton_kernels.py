@@ -191,16 +191,22 @@ def test_decode_kernel_unsupported_shapes_raise_before_launch():
         decode.check_shape(68, 2, 128, 64, 64)
 
 
+def reference_and_args(seed, lengths, heads, kv_heads):
+    """The float32 reference of a small head_dim-64 store (windows of 16 + 32 tokens) and decode_attention's
+    positional arguments over it on DEVICE."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, layer, q = build(gen, lengths, heads, kv_heads, 64, 64, 64, sink=16, recent=32)
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
+                                             layer.value_mean, 0.125)
+    return ref, (q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE), layer.value_rotation.to(DEVICE),
+                 layer.value_mean.to(DEVICE), 0.125)
+
+
 def test_decode_kernel_result_does_not_depend_on_max_length():
     """max_length only sizes the grid: a wrong hint (shorter than the data, or the capacity) reads every
     token; the merge counters are left at zero for the next call, and a call repeated gives the same bits
     (the reduce sums its programs' shares in a fixed order, whichever finishes last)."""
-    gen = torch.Generator().manual_seed(4)
-    cache, layer, q = build(gen, [500, 90], 4, 1, 64, 64, 64, sink=16, recent=32)
-    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
-                                             layer.value_mean, 0.125)
-    args = (q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE), layer.value_rotation.to(DEVICE),
-            layer.value_mean.to(DEVICE), 0.125)
+    ref, args = reference_and_args(4, [500, 90], 4, 1)
     for max_length, fused in ((None, True), (60, True), (500, True), (60, False)):
         out = decode.decode_attention(*args, max_length=max_length, block_n=64, fused=fused)
         assert relative_errors(out, ref).max() < 1e-2
@@ -211,12 +217,7 @@ def test_decode_kernel_result_does_not_depend_on_max_length():
 def test_reduce_over_many_splits_drops_the_empty_ones():
     """Beyond 64 splits a (sequence, KV head) the reduce loads each split's partials beside its l (not gated on it):
     a short sequence's empty splits, whose partials are never written, still count for nothing."""
-    gen = torch.Generator().manual_seed(6)
-    cache, layer, q = build(gen, [5000, 200], 8, 2, 64, 64, 64, sink=16, recent=32)
-    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
-                                             layer.value_mean, 0.125)
-    args = (q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE), layer.value_rotation.to(DEVICE),
-            layer.value_mean.to(DEVICE), 0.125)
+    ref, args = reference_and_args(6, [5000, 200], 8, 2)
     plan = decode.launch_plan(args[0], args[1], block_n=64, waves=200, gluon=False)
     assert plan.ns > 64 and not plan.reduce_consts["GATED"]
     out = decode.decode_attention(*args, block_n=64, waves=200, gluon=False, graph=False)
