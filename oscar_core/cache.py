@@ -142,10 +142,12 @@ class SideStore:
 class Sequences:
     """What every layer's store shares: per-sequence lengths (device int32 [B]), the last advance's
     counts, and the host's own figures: tokens seen per sequence (pads included, an upper bound of
-    every length) and the capacity every store is grown to."""
+    every length) and the capacity every store is grown to. counter: the layer that advances them, the first
+    to write into a store (a forward pass writes its layers in order; a sliding layer's own SideStores, a BF16
+    ring or a layer of another kind before it never do)."""
 
     def __init__(self, capacity: int | None = None):
-        self.lengths = self.counts = None
+        self.lengths = self.counts = self.counter = None
         self.seen, self.capacity = 0, capacity or 0
         self.static = False     # decode_graph: the kernel's launch grid from the capacity, not from `seen`
 
@@ -172,13 +174,12 @@ class OscarLayer(DynamicLayer):
 
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
-                 query_heads: int | None = None, counts: bool | None = None, window: int | None = None,
+                 query_heads: int | None = None, window: int | None = None,
                  value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.window = window        # a sliding layer's window: a SideStore trimmed to it, read by torch
         self.is_sliding = window is not None
-        self.counts = layer_idx == 0 if counts is None else counts  # advances `sequences` (the first KV layer)
         self.query_heads = query_heads
         self.sink_tokens, self.recent_tokens = sink, recent
         self.sequences = sequences or Sequences()
@@ -255,7 +256,9 @@ class OscarLayer(DynamicLayer):
     def commit(self, key_states: torch.Tensor, value_states: torch.Tensor, starts: torch.Tensor | None) -> None:
         """Write a whole update into the store; starts[b]: leading pads of sequence b to skip (None: none)."""
         seq, n = self.sequences, key_states.shape[-2]
-        if self.counts:
+        if seq.counter is None:
+            seq.counter = self.layer_idx
+        if seq.counter == self.layer_idx:
             seq.advance(key_states.shape[0], n, starts, key_states.device)
         self._reserve(key_states.shape[0])
         if self.write is not None and self.seen == 0:
@@ -431,11 +434,10 @@ class OscarCache(Cache):
             query_heads = config.get_text_config().num_attention_heads if config is not None else None
             specs = layer_specs(config) if config is not None else [LayerSpec()] * num_layers
         ring = [s.window is not None and (method == "bf16" or not holds_int2(s, sink, recent)) for s in specs]
-        first = next((i for i, s in enumerate(specs) if s.kv_cache and not ring[i]), None)
         super().__init__(layers=[
             state_layer() if not s.kv_cache else RingLayer(s.window) if ring[i] else
-            OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, counts=i == first,
-                       window=s.window, value_layout=value_layout)
+            OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, window=s.window,
+                       value_layout=value_layout)
             for i, s in enumerate(specs[:num_layers])])
 
     @property

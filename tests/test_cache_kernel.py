@@ -506,22 +506,22 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
     assert err.max() < 5e-2, err
 
 
-@pytest.mark.parametrize("head_dim", [HEAD_DIM, 256])
-def test_kernel_reads_beside_sliding_rings(head_dim):
-    """Gemma 3 (layers 0 and 2 slide over 8 tokens, BF16 rings; layer 1 global, INT2; its own head_dim, 256, too):
-    inside oscar_attention the global layer is written and decoded by the kernels and the rings by sdpa under the
-    model's sliding mask, in a left-padded batch; against each sequence decoded alone through torch writes and
-    reads."""
+@pytest.mark.parametrize("head_dim,window", [(HEAD_DIM, 8), (256, 8), (HEAD_DIM, 48)])
+def test_kernel_reads_beside_sliding_layers(head_dim, window):
+    """Gemma 3 (layers 0 and 2 slide, layer 1 global, INT2; its own head_dim, 256, too): inside oscar_attention the
+    global layer is written and decoded by the kernels, in a left-padded batch, against each sequence decoded alone
+    through torch writes and reads. Windows of 8 are BF16 rings; one of 48, over 2·(sink + recent) = 40, holds INT2
+    in the sliding layers' own stores, read by torch, and the global layer still counts the sequences' tokens."""
     import transformers as tf
 
     config = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_attention_heads=HEADS,
                                  num_key_value_heads=KV_HEADS, head_dim=head_dim, vocab_size=256,
-                                 max_position_embeddings=256, sliding_window=8,
+                                 max_position_embeddings=256, sliding_window=window,
                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
-    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :15] = 0
 
@@ -535,7 +535,11 @@ def test_kernel_reads_beside_sliding_rings(head_dim):
     by_kernel.layers[1].decode_attention = lambda *a: calls.append(1) or real(*a)
     with oscar_attention(model, by_kernel):
         got = decode_logits(model, by_kernel, ids, steps=3, mask=mask)
-    assert len(calls) == 3 and by_kernel.layers[0].keys.shape[2] == 7
+    assert len(calls) == 3
+    if window == 8:
+        assert by_kernel.layers[0].keys.shape[2] == 7       # a BF16 ring of W - 1
+    else:
+        assert by_kernel.layers[0].key_store is not None and by_kernel.layers[0].window == window
     assert by_kernel.layers[1].write is not None        # the Triton write kernels, at head_dim 256 too
     for b, start in ((0, 0), (1, 15)):
         want = decode_logits(model, cache(False), ids[b:b + 1, start:], steps=3)
