@@ -402,6 +402,11 @@ def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     wide = methods.LayerMethod(methods.Side(256), methods.Side(64))
     assert "groups of up to 128 channels" in write_problem(wide, 256)
     assert write_problem(methods.LayerMethod(methods.Side(64, "channel"), methods.Side(128)), 256) is None
+    assert write.columns(64) == 64 and write.columns(256, (64, 128)) == 128 and write.columns(256, (64,), 64) == 64
+    with pytest.raises(ValueError, match="groups of up to 128 channels"):
+        write.columns(256, (256,))
+    with pytest.raises(ValueError, match="power-of-two share"):
+        write.columns(256, (), 96)
     lm = methods.layer_method("int2", 0, 2, 256, None)
     channel = methods.LayerMethod(methods.Side(8, "channel"), lm.value)
     assert "blocks of 16 to 256 tokens" in write_problem(channel, 64)
