@@ -168,6 +168,11 @@ class Sequences:
     def max_length(self) -> int:
         return self.capacity if self.static else self.seen
 
+    def clear(self) -> None:
+        """No sequences: lengths, counts and the counting layer forgotten (capacity and static kept)."""
+        self.lengths = self.counts = self.counter = None
+        self.seen = 0
+
 
 class OscarLayer(DynamicLayer):
     """One layer of an OscarCache; its stores are made on the first update, from the shapes it sees."""
@@ -439,6 +444,11 @@ class OscarCache(Cache):
             OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, window=s.window,
                        value_layout=value_layout)
             for i, s in enumerate(specs[:num_layers])])
+
+    def reset(self) -> None:
+        """Empty every layer and the sequences they share, for a new batch."""
+        self.sequences.clear()
+        super().reset()
 
     @property
     def kv_layers(self) -> list["OscarLayer"]:

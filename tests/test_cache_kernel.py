@@ -80,6 +80,21 @@ def make_cache(method, bundle, kernel, **kw):
                       kernel_writes=kernel, **kw)
 
 
+def test_a_reset_cache_decodes_a_new_batch_as_a_fresh_one():
+    """reset() empties the layers and the lengths they share: the next prompt decodes as in a new cache (the
+    lengths of the first batch were counted on before)."""
+    model = tiny_llama()
+    bundle = random_bundle(4, 16)
+    gen = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(0, 256, (2, n), generator=gen).to(DEVICE) for n in (30, 40))
+    cache = make_cache("oscar", bundle, False)
+    decode_logits(model, cache, first, steps=2)
+    cache.reset()
+    got = decode_logits(model, cache, second, steps=2)
+    assert torch.equal(got, decode_logits(model, make_cache("oscar", bundle, False), second, steps=2))
+    assert cache.sequences.lengths.tolist() == [42, 42]
+
+
 @pytest.mark.parametrize("method", ["oscar", "hadamard"])
 def test_kernel_reads_match_torch_reads(method):
     model = tiny_llama()
