@@ -234,7 +234,7 @@ class OscarLayer(DynamicLayer):
         self.key_axis, self.token_block = lm.key.axis, lm.token_block
         self.shape = (kv_heads, head_dim)
         use = self.kernel_writes if self.kernel_writes is not None else dev.type == "cuda"
-        problem = write_problem(lm, head_dim)
+        problem = write_problem(lm, head_dim) if use else None
         if use and problem is not None and self.key_axis == "channel":
             warnings.warn(f"OscarCache layer {self.layer_idx}: torch writes ({problem})", stacklevel=2)
         write = _triton_write() if use and problem is None else None
@@ -626,10 +626,12 @@ def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
         return "the write kernel quantizes key blocks of 16 to 256 tokens"
     if lm.key.axis == "channel" and head_dim < 32:
         return "the write kernel quantizes keys per channel at head_dim 32 or more"
-    channel_groups = [s.group_size for s in (lm.key, lm.value) if s.axis == "token"]
-    if head_dim > 128 and max(channel_groups, default=0) > 128:
-        # A program rotates 128 channels at head_dim 256 (triton/write.py's columns: R's columns in shared memory).
-        return "the write kernel quantizes groups of up to 128 channels at head_dim 256"
+    write = _triton_write()
+    if write is not None:
+        try:    # the channels a write program takes (R's columns in shared memory) must hold whole groups
+            write.columns(head_dim, tuple(s.group_size for s in (lm.key, lm.value) if s.axis == "token"))
+        except ValueError as e:
+            return str(e)
     return None
 
 
