@@ -24,9 +24,12 @@ first OscarLayer advances the shared sequence lengths.
 Sliding layers (layers.LayerSpec.window = N: a query sees its own token and the N − 1 before it). One whose
 window is too short for INT2 to pay (layers.holds_int2), or any sliding layer of the bf16 method, is a RingLayer:
 the last N − 1 tokens in BF16, as transformers' DynamicSlidingWindowLayer keeps them (and sizes the mask from).
-A longer window holds INT2 in an OscarLayer whose SideStores (sink, INT2, recent, as methods.py stores them) are
-trimmed to the last N − 1 tokens after every update, sized for the mask as DynamicSlidingWindowLayer; it is read
-by torch, not by the decode kernel.
+A longer window holds INT2 in an OscarLayer whose store is kvstore.window_cache: no sink, a BF16 ring of W' and a
+ring of T INT2 rows (W' + T = N, window_split), which hold exactly the last N tokens of each sequence, so the
+decode kernel reads it as it reads a global layer's (no mask) and the Triton writes write it; fixed in size from
+its first update. Its torch reads give the last N − 1 tokens (the mask's size, as DynamicSlidingWindowLayer).
+Keys per channel in a sliding layer, or a window too short for one tile of INT2 rows, keep SideStores (sink,
+INT2, recent, as methods.py stores them) trimmed to the last N − 1 tokens after every update, read by torch.
 
 update() follows the serving convention: a single decoded token is written first and then attends to
 what the store holds; the tokens of a multi-token update (prefill, or a prefill chunk) attend to the
@@ -183,7 +186,7 @@ class OscarLayer(DynamicLayer):
                  value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
-        self.window = window        # a sliding layer's window: a SideStore trimmed to it, read by torch
+        self.window = window        # a sliding layer's window: a window_cache, or SideStores trimmed to it
         self.is_sliding = window is not None
         self.query_heads = query_heads
         self.sink_tokens, self.recent_tokens = sink, recent
@@ -207,9 +210,11 @@ class OscarLayer(DynamicLayer):
                 raise OscarError(f"bundle {self.bundle.manifest.name} is for {m.num_kv_heads} KV heads of dim "
                                  f"{m.head_dim}; this model has {kv_heads} of dim {head_dim}")
         lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
-        self.kernel_problem = (kernel_problem(lm, kv_heads, head_dim, self.query_heads, self.method)
-                               if self.window is None else "the decode kernel reads global attention layers only")
-        if store_problem(lm, self.method) is None and self.window is None:
+        problem = store_problem(lm, self.method)
+        if problem is None and self.window is not None:
+            problem = window_problem(lm, self.window, self.recent_tokens)
+        self.kernel_problem = problem or kernel_problem(lm, kv_heads, head_dim, self.query_heads, self.method)
+        if problem is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
             self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens, lm.token_block)
@@ -243,7 +248,14 @@ class OscarLayer(DynamicLayer):
             self.split = (write.prepare_rotation(rk, mk), write.prepare_rotation(rv, mv))
 
     def _reserve(self, batch: int) -> None:
-        """Allocate the store, or grow it to the shared capacity (the INT2 rows copied once)."""
+        """Allocate the store, or grow it to the shared capacity (the INT2 rows copied once); a window's store once,
+        at its size."""
+        if self.window is not None:
+            if self.store is None:
+                self.store = kvstore.window_cache(batch, *self.shape, self.window, *self.group_sizes,
+                                                  self.recent_tokens, self.device, self.value_layout)
+                self.store.lengths = self.sequences.lengths
+            return
         cap = self.sequences.capacity
         rows = kvstore.int2_rows(cap, self.sink_tokens, self.recent_tokens, self.token_block)
         if self.store is not None and self.store.key_codes.shape[2] >= rows:
@@ -286,7 +298,7 @@ class OscarLayer(DynamicLayer):
         n = key_states.shape[-2]
         if self.key_store is not None:
             return self._update_sides(key_states, value_states)
-        past = self.read(key_states.dtype) if n > 1 and self.seen else None
+        past = self.read(key_states.dtype, self.window and self.window - 1) if n > 1 and self.seen else None
         if n > 1 and self.kernel_reads:
             self.pending = (key_states, value_states)      # committed by oscar_attention, which sees the mask
         else:
@@ -330,26 +342,27 @@ class OscarLayer(DynamicLayer):
         seen = self.get_seq_length()
         return min(seen, self.window - 1) + query_length, max(seen - self.window + 1, 0)
 
-    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, dtype: torch.dtype, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All keys and values in original space, [B, H_kv, L, d] each (the torch read; syncs with the device).
 
         Sequence b's tokens fill the last lengths[b] of the L = seen columns (its leading pads, if
-        skipped at write, are zeros)."""
+        skipped at write, are zeros); last: only the last `last` columns (a window's store holds its last N)."""
         if self.key_store is not None:
-            return self.key_store.read(dtype), self.value_store.read(dtype)
+            return self.key_store.read(dtype, last), self.value_store.read(dtype, last)
         seq, store = self.sequences, self.store
         if self.seen < seq.seen:        # the first KV layer has counted the update this one is about to write
             lengths = seq.lengths - (seq.counts if seq.counts is not None else seq.seen - self.seen)
             store = dataclasses.replace(store, lengths=lengths)
         batch, (heads, d) = store.key_sink.shape[0], self.shape
-        out = [torch.zeros(batch, heads, self.seen, d, dtype=dtype, device=self.device) for _ in range(2)]
+        cols = min(self.seen, last or self.seen, self.window or self.seen)
+        out = [torch.zeros(batch, heads, cols, d, dtype=dtype, device=self.device) for _ in range(2)]
         r = self.rotation
         for b, n in enumerate(store.lengths.tolist()):
             if n:
                 for o, y, rot, mean in zip(out, kvstore.sequence_kv(store, b), (r.key_rotation, r.value_rotation),
                                            (r.key_mean, r.value_mean)):
-                    x = y @ rot.transpose(1, 2)
-                    o[b, :, self.seen - n:] = (x if mean is None else x + mean[:, None]).to(dtype)
+                    x = (y @ rot.transpose(1, 2))[:, -cols:]
+                    o[b, :, cols - x.shape[1]:] = (x if mean is None else x + mean[:, None]).to(dtype)
         return out[0], out[1]
 
     def decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -383,6 +396,9 @@ class OscarLayer(DynamicLayer):
         """INT2 tokens of the longest sequence (host count)."""
         if self.key_store is not None:
             return self.key_store.n_int2
+        if self.window is not None:
+            rows, ring = kvstore.window_split(self.window, self.recent_tokens)
+            return min(max(self.seen - ring, 0), rows)
         return max(self.seen - self.sink_tokens - self.recent_tokens, 0) // self.token_block * self.token_block
 
     def nbytes(self) -> int:
@@ -495,7 +511,8 @@ class OscarCache(Cache):
                 b, h, _, d = layer.key_store.sink.shape
             else:
                 continue
-            tokens = layer.key_store.held() if layer.window is not None else layer.get_seq_length()
+            tokens = layer.get_seq_length() if layer.window is None else (
+                layer.key_store.held() if layer.key_store is not None else min(layer.seen, layer.window))
             total += 2 * b * h * tokens * d * 2
         return total
 
@@ -616,6 +633,15 @@ def store_problem(lm: methods.LayerMethod, method: str | None = None) -> str | N
     return None
 
 
+def window_problem(lm: methods.LayerMethod, window: int, recent: int) -> str | None:
+    """Why a sliding layer of this method cannot live in a kvstore.window_cache (None: it can)."""
+    if lm.key.axis != "token":
+        return "a sliding layer's store keeps keys per token (keys per channel: torch, in SideStores)"
+    if kvstore.window_split(window, recent)[0] == 0:
+        return f"a window of {window} tokens holds no tile of INT2 rows beside {recent} BF16 tokens"
+    return None
+
+
 def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
     """Why the Triton write kernel cannot write a layer (None: it can): power-of-two shapes only."""
     def pow2(n):
@@ -635,13 +661,14 @@ def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
     return None
 
 
-def _mask_starts(mask: torch.Tensor | None, past: int, n: int) -> torch.Tensor | None:
-    """Leading pads of each sequence among the n new columns of a 4D attention mask (None: no mask).
-    Reads the mask on the host once per multi-token update, to refuse a gap the store cannot skip."""
+def _mask_starts(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Leading pads of each sequence among the n new columns (the last n) of a 4D attention mask (None: no mask):
+    the new tokens that do not see themselves (a sliding layer's last query sees only its window, so not the last
+    row). Reads the mask on the host once per multi-token update, to refuse a gap the store cannot skip."""
     if mask is None:
         return None
-    row = mask[:, 0, -1, past:past + n]
-    keep = row if row.dtype == torch.bool else row == 0
+    own = torch.diagonal(mask[:, 0, -n:, -n:], dim1=-2, dim2=-1)
+    keep = own if own.dtype == torch.bool else own == 0
     if not bool((keep.int().diff(dim=-1) >= 0).all()):
         raise OscarError("OscarCache skips leading pads only: the attention mask has a gap after a real token")
     return (n - keep.sum(-1)).to(torch.int32)
@@ -674,7 +701,7 @@ def oscar_attention(model, cache: OscarCache):
         if layer.pending is not None:
             k, v = layer.pending
             layer.pending = None
-            layer.commit(k, v, _mask_starts(attention_mask, layer.seen, k.shape[-2]))
+            layer.commit(k, v, _mask_starts(attention_mask, k.shape[-2]))
         if query.shape[2] == 1 and layer.deferred:
             out = layer.decode_attention(query[:, :, 0], float(scaling))
             return out.to(query.dtype).unsqueeze(1), None          # [B, 1, H, d]

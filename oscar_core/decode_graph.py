@@ -97,9 +97,9 @@ class GreedyDecoder:
         if self.mask is not None:
             raise OscarError("a padded batch decodes in a CUDA graph only through an OscarCache read by kernel "
                              "(on CUDA, inside oscar_attention)")
-        if self.oscar and (self.cache.ring_layers or any(layer.window for layer in self.cache.kv_layers)):
-            raise OscarError("a model with sliding-window layers decodes eagerly: its windows are not captured in a "
-                             "CUDA graph yet")
+        if self.oscar and (self.cache.ring_layers or any(layer.key_store is not None for layer in self.cache.kv_layers)):
+            raise OscarError("a model with sliding windows of BF16 rings or SideStores (windows too short for INT2 "
+                             "rows, keys per channel) decodes eagerly: those are not captured in a CUDA graph")
         if self.oscar:
             self.cache.sequences.static = True
         side = torch.cuda.Stream()

@@ -69,6 +69,11 @@ class Int2KVCache:
     and the BF16 ring tokens are positions S + n_int2 .. L − 1 (at most W + G − 1, so a block that
     leaves and the token that pushes it out never share a slot). T is a multiple of G.
 
+    window N (a sliding layer's store, window_cache; keys per token, no sink): the T INT2 rows are a ring, INT2
+    token i (position i) in row i mod T, and T + W = N. The W ring slots and the min(n_int2, T) rows in use then
+    hold exactly a sequence's last N tokens, every older one overwritten: the window a query sees once it is
+    written (its own token and the N − 1 before it), with no mask.
+
     value_layout "tiles" (the default; "rows" is the layout above) changes where value_codes keeps its bytes: each
     tile of 64 rows (rows 64k .. 64k + 63 of one sequence and KV head, the same bytes as in "rows") holds its
     16-bit halves half-major, half h (channels 8h .. 8h + 7) of tile row m at 16-bit slot 64h + tile_slot(m),
@@ -92,6 +97,7 @@ class Int2KVCache:
     value_group_size: int = 64
     key_axis: str = "token"
     value_layout: str = DEFAULT_VALUE_LAYOUT
+    window: int | None = None       # a sliding layer's store: its INT2 rows a ring (window_cache)
     # CUDA graphs of eager decode calls over this store (triton.decode.decode_attention keeps them here, so
     # they go with the store's tensors they read).
     graphs: dict = field(default_factory=dict, repr=False, compare=False)
@@ -121,7 +127,12 @@ class Int2KVCache:
     def int2_tokens(self) -> torch.Tensor:
         """Number of INT2 rows in use per sequence, int64 [B]."""
         n = (self.lengths.long() - self.sink_tokens - self.recent_tokens).clamp_min(0)
-        return n // self.token_block * self.token_block
+        n = n // self.token_block * self.token_block
+        return n if self.window is None else n.clamp_max(self.key_codes.shape[2])
+
+    def int2_row(self, i: torch.Tensor) -> torch.Tensor:
+        """The row that INT2 token i (position S + i) lives in: i, or i mod T in a window's ring."""
+        return i if self.window is None else i % self.key_codes.shape[2]
 
 
 ROW_BLOCK = 64
@@ -216,6 +227,27 @@ def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_gro
         value_layout=value_layout)
 
 
+def window_split(window: int, recent_tokens: int = RECENT_TOKENS) -> tuple[int, int]:
+    """(T, W) of a sliding window of N tokens: T INT2 rows, the most whole tiles of ROW_BLOCK that leave at least
+    recent_tokens, and W = N − T BF16 ring slots (T = 0: too short for one tile)."""
+    rows = max(window - recent_tokens, 0) // ROW_BLOCK * ROW_BLOCK
+    return rows, window - rows
+
+
+def window_cache(batch: int, kv_heads: int, head_dim: int, window: int, key_group_size: int = 64,
+                 value_group_size: int = 64, recent_tokens: int = RECENT_TOKENS, device: str | torch.device = "cpu",
+                 value_layout: str = DEFAULT_VALUE_LAYOUT) -> Int2KVCache:
+    """An empty store of a sliding layer whose queries see `window` tokens (their own included): no sink, a BF16
+    ring of W slots and a ring of T INT2 rows, (T, W) = window_split (the class docstring); keys per token."""
+    rows, ring = window_split(window, recent_tokens)
+    if rows == 0:
+        raise ValueError(f"a window of {window} tokens holds no INT2 tile beside {recent_tokens} BF16 tokens")
+    cache = empty_cache(batch, kv_heads, head_dim, window, key_group_size, value_group_size, 0, ring, device,
+                        value_layout=value_layout)
+    cache.window = window
+    return cache
+
+
 def rotate(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
     """y[t, h] = (x[t, h] − μ[h])·R[h] in float32, x [tokens, H_kv, d], R [H_kv, d, d]."""
     x = x.float()
@@ -308,13 +340,15 @@ def _store(cache: Int2KVCache, b: int, pos: torch.Tensor, keys: torch.Tensor, va
     final = int(pos[-1]) + 1
     in_sink, in_ring = pos < s, (pos >= s) & (pos >= final - w)
     to_int2 = ~in_sink & ~in_ring
+    if cache.window is not None:        # a window's ring of rows: its tokens before the last N are gone
+        to_int2 &= pos >= final - cache.window
     for x, side in ((keys, "key"), (values, "value")):
         rot, mean = getattr(layer, f"{side}_rotation"), getattr(layer, f"{side}_mean")
         y = rotate(x, rot, mean).to(torch.bfloat16).transpose(0, 1)
         getattr(cache, f"{side}_sink")[b, :, pos[in_sink]] = y[:, in_sink]
         getattr(cache, f"{side}_recent")[b, :, (pos[in_ring] - s) % w] = y[:, in_ring]
         if to_int2.any():
-            rows = pos[to_int2] - s
+            rows = cache.int2_row(pos[to_int2] - s)
             g = getattr(cache, f"{side}_group_size")
             packed, scale, zero = write(x[to_int2], rot, getattr(layer, f"{side}_clip"), g, mean)
             _put_codes(cache, side, b, rows, packed.transpose(0, 1))
@@ -372,10 +406,10 @@ def append(cache: Int2KVCache, keys: torch.Tensor, values: torch.Tensor, layer: 
         old = final - (n - st)
         if st >= n:
             continue
-        lo, hi = max(s, old - w), min(old, final - w)
+        lo, hi = max(s, old - w, final - (cache.window or final)), min(old, final - w)
         if hi > lo:
             leave = torch.arange(lo, hi, device=keys.device)
-            slots, rows = (leave - s) % w, leave - s
+            slots, rows = (leave - s) % w, cache.int2_row(leave - s)
             for side in ("key", "value"):
                 g = getattr(cache, f"{side}_group_size")
                 kept = getattr(cache, f"{side}_recent")[b, :, slots].transpose(0, 1)
@@ -397,23 +431,24 @@ def append_token(cache: Int2KVCache, key: torch.Tensor, value: torch.Tensor, lay
 
 
 def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All stored keys and values of sequence b in rotated space, float32 [H_kv, L, d], in position order."""
+    """All stored keys and values of sequence b in rotated space, float32 [H_kv, L, d], in position order (a
+    window's store: its last min(L, N))."""
     n = int(cache.lengths[b])
     s, w, tb = cache.sink_tokens, cache.recent_tokens, cache.token_block
     n_sink, n_int2 = min(n, s), max(n - s - w, 0) // tb * tb
-    ring = (torch.arange(s + n_int2, max(n, s), device=cache.lengths.device) - s) % cache.ring_slots
+    dev = cache.lengths.device
+    ring = (torch.arange(s + n_int2, max(n, s), device=dev) - s) % cache.ring_slots
+    held = n_int2 if cache.window is None else min(n_int2, cache.key_codes.shape[2])
+    rows = cache.int2_row(torch.arange(n_int2 - held, n_int2, device=dev))
     out = []
     for side in ("key", "value"):
         g = getattr(cache, f"{side}_group_size")
-        if side == "key":
-            codes = cache.key_codes[b, :, :n_int2]
-        else:
-            codes = value_rows(cache, b, torch.arange(n_int2, device=cache.lengths.device))
+        codes = cache.key_codes[b, :, rows] if side == "key" else value_rows(cache, b, rows)
         if side == "key" and cache.key_axis == "channel":
             int2 = read_key_blocks(codes, cache.key_scale[b, :, :n_int2 // g], cache.key_zero[b, :, :n_int2 // g], g)
         else:
-            int2 = read_int2(codes, getattr(cache, f"{side}_scale")[b, :, :n_int2],
-                             getattr(cache, f"{side}_zero")[b, :, :n_int2], g)
+            int2 = read_int2(codes, getattr(cache, f"{side}_scale")[b, :, rows],
+                             getattr(cache, f"{side}_zero")[b, :, rows], g)
         parts = [getattr(cache, f"{side}_sink")[b, :, :n_sink].float(), int2,
                  getattr(cache, f"{side}_recent")[b, :, ring].float()]
         out.append(torch.cat(parts, dim=1))

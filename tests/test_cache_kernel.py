@@ -369,6 +369,45 @@ def assert_store_matches(got, ref, codes_equal=0.98, meta_equal=0.97):
             assert (a == b).float().mean() > meta_equal and (a - b).abs().max() <= 1, (side, name)
 
 
+def test_window_store_kernels_match_reference():
+    """A window's store (kvstore.window_cache: no sink, a ring of 56 BF16 slots and one of 64 INT2 rows, N = 120):
+    prefill_kv of a left-padded batch longer than N, decode steps and a chunk longer than the BF16 ring through
+    append_kv, each wrapping the rows, against kvstore.append; then the decode kernel on that store against the
+    reference, which reads exactly the last N tokens of each sequence (test_kvstore)."""
+    gen = torch.Generator().manual_seed(120)
+    bsz, heads, d = 3, 2, 64
+    layer, on, kr, vr = two_head_layer(gen, heads, d)
+    ref = kvstore.window_cache(bsz, heads, d, 120, 64, 64, recent_tokens=8)
+    got = kvstore.window_cache(bsz, heads, d, 120, 64, 64, recent_tokens=8, device=DEVICE)
+    assert (got.recent_tokens, got.key_codes.shape[2]) == (56, 64)
+
+    def append(n, starts=None, prefill=False):
+        k = (torch.randn(bsz, heads, n, d, generator=gen) * 2).bfloat16()
+        v = torch.randn(bsz, heads, n, d, generator=gen).bfloat16()
+        kvstore.advance(ref, n, starts)
+        kvstore.advance(got, n, None if starts is None else starts.to(DEVICE))
+        kvstore.append(ref, k, v, layer, starts)
+        args = (got, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"])
+        if prefill:
+            write.prefill_kv(*args, block_t=16)
+        else:
+            write.append_kv(*args, None if starts is None else starts.to(DEVICE))
+
+    append(200, torch.tensor([0, 5, 110], dtype=torch.int32), prefill=True)
+    assert_store_matches(got, ref)
+    for _ in range(9):
+        append(1)
+    append(70, torch.tensor([0, 2, 0], dtype=torch.int32))
+    append(3)
+    assert got.lengths.tolist() == ref.lengths.tolist() == [282, 275, 172]
+    assert_store_matches(got, ref, meta_equal=0.95)    # tokens evicted from rings a bf16 step apart
+    q = torch.randn(bsz, 2 * heads, d, generator=gen).to(DEVICE)
+    args = (q, got, on["key_rotation"], on["value_rotation"], on["value_mean"], 0.125)
+    want = kvstore.decode_attention_reference(*args)
+    err = (decode.decode_attention(*args, block_n=32) - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err.max() < 2e-2, err
+
+
 @pytest.mark.parametrize("axis,layout", [("token", "tiles"), ("channel", "rows")])
 def test_write_kernels_at_head_dim_256(axis, layout):
     """head_dim 256 (Gemma 3), where each program rotates half the channels (write.columns): prefill_kv with left
@@ -526,12 +565,14 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
     assert err.max() < 5e-2, err
 
 
-@pytest.mark.parametrize("head_dim,window", [(HEAD_DIM, 8), (256, 8), (HEAD_DIM, 48)])
+@pytest.mark.parametrize("head_dim,window", [(HEAD_DIM, 8), (256, 8), (HEAD_DIM, 48), (HEAD_DIM, 100)])
 def test_kernel_reads_beside_sliding_layers(head_dim, window):
     """Gemma 3 (layers 0 and 2 slide, layer 1 global, INT2; its own head_dim, 256, too): inside oscar_attention the
     global layer is written and decoded by the kernels, in a left-padded batch, against each sequence decoded alone
-    through torch writes and reads. Windows of 8 are BF16 rings; one of 48, over 2·(sink + recent) = 40, holds INT2
-    in the sliding layers' own stores, read by torch, and the global layer still counts the sequences' tokens."""
+    through torch writes and reads. Windows of 8 are BF16 rings; one of 48, over 2·(sink + recent) = 40 but short of
+    a tile of INT2 rows beside the ring, holds INT2 in the sliding layers' SideStores, read by torch, and the global
+    layer still counts the sequences' tokens; one of 100 is a window's store (64 INT2 rows, 36 BF16 slots), which
+    the kernels write and read too (no mask), with prompts longer than the window (its rows wrap)."""
     import transformers as tf
 
     config = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_attention_heads=HEADS,
@@ -541,7 +582,7 @@ def test_kernel_reads_beside_sliding_layers(head_dim, window):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
-    ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    ids = torch.randint(0, 256, (2, 150 if window == 100 else 70), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :15] = 0
 
@@ -551,15 +592,20 @@ def test_kernel_reads_beside_sliding_layers(head_dim, window):
 
     by_kernel = cache(True)
     calls = []
-    real = by_kernel.layers[1].decode_attention
-    by_kernel.layers[1].decode_attention = lambda *a: calls.append(1) or real(*a)
+    for i in (1, 2) if window == 100 else (1,):      # the global layer, and a window's store
+        real = by_kernel.layers[i].decode_attention
+        by_kernel.layers[i].decode_attention = lambda *a, i=i, real=real: calls.append(i) or real(*a)
     with oscar_attention(model, by_kernel):
         got = decode_logits(model, by_kernel, ids, steps=3, mask=mask)
-    assert len(calls) == 3
+        every = by_kernel.reads_by_kernel()     # then decode steps build no mask
     if window == 8:
         assert by_kernel.layers[0].keys.shape[2] == 7       # a BF16 ring of W - 1
-    else:
+    elif window == 48:
         assert by_kernel.layers[0].key_store is not None and by_kernel.layers[0].window == window
+    else:
+        assert by_kernel.layers[0].store.window == window and every
+        assert by_kernel.layers[0].write is not None and by_kernel.layers[0].store.int2_tokens().tolist() == [64, 64]
+    assert calls == ([1, 2] * 3 if window == 100 else [1] * 3)
     assert by_kernel.layers[1].write is not None        # the Triton write kernels, at head_dim 256 too
     for b, start in ((0, 0), (1, 15)):
         want = decode_logits(model, cache(False), ids[b:b + 1, start:], steps=3)

@@ -220,3 +220,28 @@ def test_channel_keys_store_bytes():
     held = sum(t.untyped_storage().nbytes() for t in vars(cache).values() if isinstance(t, torch.Tensor))
     assert held == kvstore.store_nbytes(2, 500, 3, 64, 64, 64, 64, 256, key_axis="channel")
     assert cache.recent_tokens == 256 and cache.ring_slots == 320 and cache.key_codes.shape[2] % 64 == 0
+
+
+def test_window_store_holds_the_last_n_tokens():
+    """A window's store (no sink, a BF16 ring of W, a ring of T INT2 rows, T + W = N) reads back exactly the last N
+    tokens of a store that keeps every token with the same ring, through prefills longer than N, decode steps and
+    chunks that wrap its rows; the rows are whole tiles, the ring what is left."""
+    gen = torch.Generator().manual_seed(4)
+    layer = make_layer(2, 64, gen)
+    assert kvstore.window_split(1024) == (768, 256) and kvstore.window_split(300, 40) == (256, 44)
+    assert kvstore.window_split(100, 40)[0] == 0
+    win = kvstore.window_cache(2, 2, 64, 300, recent_tokens=40)
+    full = kvstore.empty_cache(2, 2, 64, 2000, sink_tokens=0, recent_tokens=win.recent_tokens)
+    assert (win.sink_tokens, win.recent_tokens, win.key_codes.shape[2]) == (0, 44, 256)
+    length = 0
+    for n in [500, 1, 37, 1, 300, 129] + [1] * 20:
+        k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
+        for store in (win, full):
+            kvstore.advance(store, n)
+            kvstore.append(store, k, v, layer)
+        length += n
+        for b in range(2):
+            got, want = kvstore.sequence_kv(win, b), kvstore.sequence_kv(full, b)
+            assert got[0].shape[1] == min(length, 300)
+            assert torch.equal(got[0], want[0][:, -300:]) and torch.equal(got[1], want[1][:, -300:])
+    assert win.int2_tokens().tolist() == [256, 256]

@@ -472,6 +472,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
         n_int2 = tl.maximum(length - S - W, 0)
         if TB > 1:
             n_int2 = n_int2 // TB * TB
+        n_int2 = tl.minimum(n_int2, T)     # a window's ring of T rows holds its last T INT2 tokens
         chunk = tl.maximum(tl.cdiv(n_int2, n_int2_splits), min_chunk)
         chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
         start = (sid - NW) * chunk
@@ -1023,7 +1024,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         use_asm = q.is_cuda
     if max_length is None:
         max_length = cache.key_codes.shape[2] + cache.sink_tokens + cache.recent_tokens
-    max_int2 = max(max_length - cache.sink_tokens - cache.recent_tokens, 0)
+    max_int2 = min(max(max_length - cache.sink_tokens - cache.recent_tokens, 0), cache.key_codes.shape[2])
     if gluon is None:
         # The Gluon programs wherever they serve, but for short contexts at small batch and few heads, where
         # the Triton programs' one launch fewer may pay: from 8K tokens at batch 1 the Gluon programs win

@@ -429,7 +429,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     b = bh // HKV
     length = gl.load(len_ptr + b)
     slot = bh * NS + sid
-    n_int2 = gl.maximum(length - S - W, 0) // TB * TB
+    n_int2 = gl.minimum(gl.maximum(length - S - W, 0) // TB * TB, T)     # T: a window's ring of rows
     chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
     chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
     start = (sid - NW) * chunk

@@ -268,10 +268,10 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
                  tile, h, c0, rows, n, t0, piece, T,
                  H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  BT: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_START: tl.constexpr, EVICT: tl.constexpr,
-                 DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, TILED: tl.constexpr):
+                 DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, TILED: tl.constexpr, RING: tl.constexpr):
     """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h, its channels [c0, c0 + C)
     (module docstring); R ring slots (W, or W + G for keys per channel); TILED: codes in 64-row tiles
-    (code_offsets)."""
+    (code_offsets); RING: a window's store (INT2 token i in row i mod T; tokens before the last W + T skipped)."""
     NG: tl.constexpr = D // G
     c = tl.arange(0, D)
     cc = c0 + tl.arange(0, C)
@@ -297,8 +297,12 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     if EVICT:
         gone = pos - W
         evict = valid & (gone >= S) & (gone < length - n + first)
+        if RING:
+            evict = evict & (gone >= length - W - T)
+            row = bh * T + (gone - S) % T
+        else:
+            row = bh * T + gone - S
         kept = tl.load(ring, mask=evict[:, None], other=0.0).to(tl.float32)
-        row = bh * T + gone - S
         _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_offsets(row, c0, D, C, TILED), row * NG,
                     kept, clip, evict, BT, C, G, F32, TILED)
         tl.debug_barrier()   # every read of a ring slot before any write to it
@@ -309,7 +313,11 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     tl.store(ring, yb, mask=in_ring[:, None])
     if DIRECT:
         direct = valid & (pos >= S) & (pos < length - W)
-        row = bh * T + pos - S
+        if RING:
+            direct = direct & (pos >= length - W - T)
+            row = bh * T + (pos - S) % T
+        else:
+            row = bh * T + pos - S
         _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_offsets(row, c0, D, C, TILED), row * NG,
                     y, clip, direct, BT, C, G, F32, TILED)
 
@@ -323,7 +331,7 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr, V_MEAN: tl.constexpr,
                    HAS_START: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr,
-                   F32: tl.constexpr, R: tl.constexpr, VT: tl.constexpr):
+                   F32: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, RING: tl.constexpr):
     """Grid (P, H_kv, 2·D/C): program (p, h, side·D/C + k) appends channels [kC, kC + C) of row tiles p, p + P, ...
     of one side; VT: value codes in 64-row tiles."""
     pid = tl.program_id(0)
@@ -335,12 +343,12 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
             _append_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr,
                          ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, start_ptr,
                          tile, h, c0, rows, n, t0, piece, T, H, D, C, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT,
-                         F32, R, False)
+                         F32, R, False, RING)
         else:
             _append_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                          vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, start_ptr,
                          tile, h, c0, rows, n, t0, piece, T, H, D, C, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT,
-                         F32, R, VT)
+                         F32, R, VT, RING)
 
 
 @triton.jit
@@ -357,9 +365,11 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                   codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, c0, n, T,
                   H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                   W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr,
-                  HAS_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr, TILED: tl.constexpr):
+                  HAS_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr, TILED: tl.constexpr,
+                  RING: tl.constexpr):
     """One side of sequence b, KV head h, its channels [c0, c0 + C): program p takes INT2 tiles p, p + P, ... of
-    BT positions, then BF16 tiles (sink, ring) p, p + P, ...: two loops without branches (prefill_kv)."""
+    BT positions, then BF16 tiles (sink, ring) p, p + P, ...: two loops without branches (prefill_kv). RING: a
+    window's store, whose INT2 tiles start at the first of its last T tokens (row i mod T)."""
     NG: tl.constexpr = D // G
     J0: tl.constexpr = (S + BT - 1) // BT
     c = tl.arange(0, D)
@@ -417,16 +427,23 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
             if AHEAD:
                 x = x_next
     else:
+        k0 = 0
+        if RING:
+            k0 = tl.maximum(n_int2 - T, 0) // BT
         if AHEAD:
-            x = _int2_tile(xb, tl.program_id(0), S, first, int2_end, sx_t, D, BT)
-        for k in range(tl.program_id(0), (n_int2 + BT - 1) // BT, tl.num_programs(0)):
+            x = _int2_tile(xb, k0 + tl.program_id(0), S, first, int2_end, sx_t, D, BT)
+        for k in range(k0 + tl.program_id(0), (n_int2 + BT - 1) // BT, tl.num_programs(0)):
             in_int2 = S + k * BT + i < int2_end
             if AHEAD:
                 x_next = _int2_tile(xb, k + tl.num_programs(0), S, first, int2_end, sx_t, D, BT)
             else:
                 x = _int2_tile(xb, k, S, first, int2_end, sx_t, D, BT)
             y = _rotate(x, r_hi, r_lo, start, F32)
-            row0 = bh * T + k * BT
+            if RING:
+                in_int2 = in_int2 & (k * BT + i >= n_int2 - T)
+                row0 = bh * T + (k * BT) % T
+            else:
+                row0 = bh * T + k * BT
             # 64-bit offsets to the tile's first row (tiled codes: to the 64-row tile that holds it), 32-bit ones
             # from there.
             if TILED:
@@ -465,7 +482,7 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                     S: tl.constexpr, W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr,
                     K_MEAN: tl.constexpr, V_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr,
-                    VT: tl.constexpr):
+                    VT: tl.constexpr, RING: tl.constexpr):
     """Grid (P, B·H_kv, 2·D/C): program (p, b·H + h, side·D/C + k) writes channels [kC, kC + C) of tiles p, p + P,
     ... of one side of sequence b; VT: value codes in 64-row tiles."""
     b = tl.program_id(1) // H
@@ -474,11 +491,11 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
     if tl.program_id(2) < D // C:
         _prefill_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, ksink_ptr, kring_ptr,
                       kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, c0, n, T, H, D, C, GK, S, W, R, TB, BT,
-                      TB > 1, K_MEAN, AHEAD, F32, False)
+                      TB > 1, K_MEAN, AHEAD, F32, False, RING)
     else:
         _prefill_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr, vsink_ptr, vring_ptr,
                       vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, c0, n, T, H, D, C, GV, S, W, R, TB, BT,
-                      False, V_MEAN, AHEAD, F32, VT)
+                      False, V_MEAN, AHEAD, F32, VT, RING)
 
 
 @functools.lru_cache(maxsize=None)
@@ -590,7 +607,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
             H=heads, D=d, C=c, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
             K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
             DIRECT=n > w, F32=not keys.is_cuda, R=cache.ring_slots, VT=cache.value_tiles,
-            num_warps=4 if bt <= 64 else 8)
+            RING=cache.window is not None, num_warps=4 if bt <= 64 else 8)
 
 
 def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
@@ -614,12 +631,15 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     bsz, heads, n, d = keys.shape
     c = columns(d, _channel_groups(cache), columns_a_program)
     s, tb = cache.sink_tokens, cache.token_block
+    if cache.window is not None and (tb > 1 or cache.key_codes.shape[2] % block_t):
+        raise ValueError("prefill_kv writes a window's store with keys per token, in tiles that divide its rows")
     bt = max(min(tb, block_t), tb // 2) if tb > 1 else block_t
     registers = (128 if bt > 64 else None) if registers == 0 else registers
     if ahead is None:
         ahead = bt <= 64 and not (d > 128 and tb > bt)
     waves = waves or (8 if d > 128 else 4)
-    n_tiles = triton.cdiv(s, bt) + triton.cdiv(max(n - s, 0), bt)
+    held = n if cache.window is None else min(n, cache.window + bt)    # a window's store: its last N tokens
+    n_tiles = triton.cdiv(s, bt) + triton.cdiv(max(held - s, 0), bt)
     programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * bsz * heads * (d // c)))))
     (khi, klo, kmr), (vhi, vlo, vmr) = key_rot, value_rot
     _prefill_kernel[(programs, bsz * heads, 2 * (d // c))](
@@ -629,7 +649,8 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
         n, cache.key_codes.shape[2], H=heads, D=d, C=c, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
-        AHEAD=ahead, F32=not keys.is_cuda, VT=cache.value_tiles, num_warps=4 if bt <= 64 else 8,
+        AHEAD=ahead, F32=not keys.is_cuda, VT=cache.value_tiles, RING=cache.window is not None,
+        num_warps=4 if bt <= 64 else 8,
         num_stages=num_stages, **({"maxnreg": registers} if keys.is_cuda and registers else {}))
 
 
