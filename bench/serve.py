@@ -3,6 +3,8 @@
 A random-initialised model with Qwen3-8B's full shapes (36 layers, hidden 4096, 32 query / 8 KV heads,
 head_dim 128, bf16) is built on the GPU from a config (no download), and an OSCAR bundle of random
 orthogonal rotations, means and clips stands in for a calibrated one (the kernels do the same work).
+--model Qwen3-32B: GQA 8; --model Gemma3-12B: head_dim 256, 40 of its 48 layers sliding over 1,024 tokens (the
+INT2 arms hold those in window stores, kvstore.window_cache; the BF16 static arms in transformers' sliding layers).
 Arms, every one in this run, at each (context, batch) point:
   bf16-dynamic   transformers DynamicCache, eager decode steps
   bf16-static    transformers StaticCache, each decode step one CUDA-graph replay (transformers' sdpa path:
@@ -35,6 +37,8 @@ from types import SimpleNamespace
 import torch
 
 from oscar_core import kvstore
+from oscar_core.layers import layer_specs
+from oscar_core.layers import windows as specs_windows
 from oscar_core.cache import OscarCache, memory_plan
 from oscar_core.decode_graph import GreedyDecoder
 
@@ -43,19 +47,33 @@ SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
          "aten::_local_scalar_dense"}
 
 
-# Attention and MLP shapes of the models served here (published configs): GQA 4 and GQA 8, head_dim 128.
+# Attention and MLP shapes of the models served here (published configs): GQA 4 and GQA 8 at head_dim 128, and
+# Gemma 3 12B (GQA 2, head_dim 256, five sliding layers of 1,024 tokens to one global).
 SHAPES = {"Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, layers=36),
-          "Qwen3-32B": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, layers=64)}
+          "Qwen3-32B": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, layers=64),
+          "Gemma3-12B": dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, layers=48,
+                             head_dim=256, sliding_window=1024)}
+
+
+def head_dim(name: str) -> int:
+    return SHAPES[name].get("head_dim", 128)
 
 
 def qwen3_model(layers: int, name: str = "Qwen3-8B"):
-    """A random-initialised Qwen3 model of `name`'s shapes (SHAPES) with `layers` layers, bf16 on the GPU."""
+    """A random-initialised model of `name`'s shapes (SHAPES) with `layers` layers, bf16 on the GPU (Qwen3, or
+    Gemma 3's text model)."""
     import transformers as tf
 
-    shape = {k: v for k, v in SHAPES[name].items() if k != "layers"}
-    config = tf.Qwen3Config(**shape, num_hidden_layers=layers, num_key_value_heads=8, head_dim=128,
-                            vocab_size=151936, max_position_embeddings=131072, rope_theta=1e6,
-                            tie_word_embeddings=False)
+    shape = {k: v for k, v in SHAPES[name].items() if k not in ("layers", "head_dim", "sliding_window")}
+    if name.startswith("Gemma3"):
+        types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+        config = tf.Gemma3TextConfig(**shape, num_hidden_layers=layers, num_key_value_heads=8, head_dim=256,
+                                     sliding_window=SHAPES[name]["sliding_window"], layer_types=types,
+                                     query_pre_attn_scalar=256, vocab_size=262208, max_position_embeddings=131072)
+    else:
+        config = tf.Qwen3Config(**shape, num_hidden_layers=layers, num_key_value_heads=8, head_dim=128,
+                                vocab_size=151936, max_position_embeddings=131072, rope_theta=1e6,
+                                tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -63,12 +81,18 @@ def qwen3_model(layers: int, name: str = "Qwen3-8B"):
     return model.eval()
 
 
+def layer_windows(config) -> dict | None:
+    """{layer: N} of a model's sliding layers (None: none), as a bundle's manifest records them."""
+    return specs_windows(layer_specs(config))
+
+
 VALUE_LAYOUT = [kvstore.DEFAULT_VALUE_LAYOUT]     # --value-layout: the INT2 stores' value codes (kvstore.Int2KVCache)
 
 
-def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = "token", heads: int = 32):
+def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = "token", heads: int = 32,
+                  windows: dict | None = None):
     """The bundle fields OscarCache reads: random orthogonal R_K, R_V, means and clips per layer, keys of every
-    layer per token or per channel (over blocks of 64 tokens)."""
+    layer per token or per channel (over blocks of 64 tokens); windows: {layer: N} of the sliding layers."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     tensors = {}
     for i in range(layers):
@@ -80,15 +104,15 @@ def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = 
     manifest = SimpleNamespace(
         name="random", model=SimpleNamespace(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=d),
         quant=SimpleNamespace(key_group_size=64, value_group_size=64, sink_tokens=64, recent_tokens=256),
-        rotation=SimpleNamespace(layers=None, windows=None))
+        rotation=SimpleNamespace(layers=None, windows=windows))
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get((i, name)), key_axis=lambda i: key_axis)
 
 
-def random_kv(batch: int, context: int, seed: int = 0):
-    """Post-RoPE-like keys and values [B, 8, context, 128] bf16: one sequence's data, the batch a broadcast view."""
+def random_kv(batch: int, context: int, seed: int = 0, d: int = 128):
+    """Post-RoPE-like keys and values [B, 8, context, d] bf16: one sequence's data, the batch a broadcast view."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    k = torch.randn(8, context, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(8, context, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(8, context, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(8, context, d, generator=gen, device="cuda", dtype=torch.bfloat16)
     return k[None].expand(batch, -1, -1, -1), v[None].expand(batch, -1, -1, -1)
 
 
@@ -97,7 +121,7 @@ def make_cache(arm: str, model, bundle, batch: int, context: int, steps: int):
     from transformers import DynamicCache, StaticCache
 
     layers = model.config.num_hidden_layers
-    k, v = random_kv(batch, context)
+    k, v = random_kv(batch, context, d=model.config.head_dim)
     if arm == "bf16-dynamic":
         cache = DynamicCache()
         for i in range(layers):
@@ -270,7 +294,9 @@ def main():
     props = torch.cuda.get_device_properties(0)
     t0 = time.perf_counter()
     model = qwen3_model(args.layers, args.model)
-    bundle = random_bundle(args.layers, key_axis=args.key_axis, heads=SHAPES[args.model]["num_attention_heads"])
+    windows = layer_windows(model.config)
+    bundle = random_bundle(args.layers, d=head_dim(args.model), key_axis=args.key_axis,
+                           heads=SHAPES[args.model]["num_attention_heads"], windows=windows)
     weights = torch.cuda.memory_allocated()
     res = dict(model=args.model, key_axis=args.key_axis, value_layout=args.value_layout, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
                torch=torch.__version__, layers=args.layers, steps=args.steps, build_s=time.perf_counter() - t0,
@@ -297,7 +323,8 @@ def main():
             res["points"].append(run_point(model, bundle, arm, batch, context, args.steps))
     # The largest batch at this context that fits beside the weights (2 GiB kept for activations and work).
     budget = props.total_memory - weights - 2 * GIB
-    plan = memory_plan(args.layers, 8, 128, args.max_batch_context + args.steps + 16, budget)
+    plan = memory_plan(args.layers, 8, head_dim(args.model), args.max_batch_context + args.steps + 16, budget,
+                       windows=[(windows or {}).get(i) for i in range(args.layers)])
     res["plan"] = plan | dict(budget_gib=budget / GIB)
     print(json.dumps(res["plan"]), flush=True)
     cap = args.max_batch_cap or 10 ** 9

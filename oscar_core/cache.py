@@ -575,8 +575,8 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     channel layer's store holds a ring of W + G slots and rows in whole blocks of G (kvstore.store_nbytes).
     windows: each layer's sliding window (None: global attention), e.g. [s.window for s in layer_specs(config)];
     a layer whose window holds no INT2 (layers.holds_int2) counts as what its RingLayer allocates, min(context, N)
-    BF16 tokens (N − 1 kept, and the decoded one), in both caches; a longer window as a store of min(context, N)
-    tokens.
+    BF16 tokens (N − 1 kept, and the decoded one), in both caches; a longer window as its kvstore.window_cache (keys
+    per token) or a store of min(context, N) tokens (SideStores, keys per channel).
     bytes_per_token: one INT2 token of every INT2 layer (codes, scale and zero codes, K and V);
     bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
     included (kvstore.store_nbytes, exactly what OscarCache allocates at that capacity);
@@ -586,15 +586,22 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     windows = windows or [None] * num_layers
     ring = [w is not None and not holds_int2(LayerSpec(window=w), sink_tokens, recent_tokens) for w in windows]
     ring_bytes = 2 * kv_heads * sum(min(context, w) for w, r in zip(windows, ring) if r) * head_dim * 2
-    held = [(min(context, w or context), axis) for w, r, axis in zip(windows, ring, axes) if not r]
-    int2_axes = [axis for _, axis in held]
+    held = [(min(context, w or context), axis, w) for w, r, axis in zip(windows, ring, axes) if not r]
+    int2_axes = [axis for _, axis, _ in held]
 
-    def store(batch, capacity, layer_axes):
+    def store(batch, capacity, layer_axes, sink=sink_tokens, recent=recent_tokens):
         return sum(kvstore.store_nbytes(batch, capacity, kv_heads, head_dim, key_group_size, value_group_size,
-                                        sink_tokens, recent_tokens, axis) for axis in layer_axes)
+                                        sink, recent, axis) for axis in layer_axes)
 
-    per_seq = sum(store(1, tokens, [axis]) for tokens, axis in held) + ring_bytes
-    bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens, _ in held) + ring_bytes
+    def layer_store(tokens, axis, window):
+        """A window's store (keys per token, a tile of rows at least) is allocated whole at its first update."""
+        rows, ring_slots = kvstore.window_split(window or 0, recent_tokens)
+        if window is None or axis != "token" or rows == 0:
+            return store(1, tokens, [axis])
+        return store(1, window, [axis], 0, ring_slots)
+
+    per_seq = sum(layer_store(*h) for h in held) + ring_bytes
+    bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens, _, _ in held) + ring_bytes
     # Rows are allocated in whole blocks: one block's bytes over its rows.
     block = kvstore.ROW_BLOCK if "channel" not in int2_axes else math.lcm(kvstore.ROW_BLOCK, key_group_size)
     window = sink_tokens + recent_tokens
@@ -634,7 +641,8 @@ def store_problem(lm: methods.LayerMethod, method: str | None = None) -> str | N
 
 
 def window_problem(lm: methods.LayerMethod, window: int, recent: int) -> str | None:
-    """Why a sliding layer of this method cannot live in a kvstore.window_cache (None: it can)."""
+    """Why a sliding layer of this method cannot live in a kvstore.window_cache (None: it can; then
+    layers.window_tokens gives its BF16 tokens)."""
     if lm.key.axis != "token":
         return "a sliding layer's store keeps keys per token (keys per channel: torch, in SideStores)"
     if kvstore.window_split(window, recent)[0] == 0:

@@ -15,7 +15,9 @@ layer_types a `sliding_window` applies to every layer (Mistral, Mixtral, Phi-3).
 
 Which layers hold INT2 tokens (holds_int2): every KV layer with global attention, and a sliding layer whose
 window is longer than 2·(sink + recent) tokens; a shorter window is kept whole as a BF16 ring of its last W
-tokens, as serving engines do (INT2 would cover at most half of it).
+tokens, as serving engines do (INT2 would cover at most half of it). A longer one with keys per token keeps no
+sink (its first tokens leave the window) and a recent window rounded up so its INT2 rows are whole tiles
+(window_tokens, the cache's kvstore.window_cache).
 
 The hooks check at run time that the window a layer passes its attention function is the one read here
 (check_window); visible() is the mask and windowed_attention() the exact windowed attention every stage uses.
@@ -83,6 +85,18 @@ def attention_layer_ids(config) -> list[int] | None:
 def holds_int2(spec: LayerSpec, sink: int, recent: int) -> bool:
     """Whether a layer stores INT2 tokens: a KV layer with global attention or a window over 2·(sink + recent)."""
     return spec.kv_cache and (spec.window is None or spec.window > 2 * (sink + recent))
+
+
+def window_tokens(window: int | None, sink: int, recent: int, token_block: int = 1) -> tuple[int, int]:
+    """The BF16 (sink, recent) tokens of an INT2 layer: in a sliding layer's window store (kvstore.window_cache:
+    keys per token, a tile of INT2 rows beside `recent`) no sink and the W = N − T of kvstore.window_split; any
+    other layer (global, keys per channel, a window too short for a tile) its own."""
+    from oscar_core.kvstore import window_split
+
+    if window is None or token_block != 1:
+        return sink, recent
+    rows, ring = window_split(window, recent)
+    return (0, ring) if rows else (sink, recent)
 
 
 def int2_layer_ids(specs: list[LayerSpec], sink: int, recent: int) -> list[int] | None:

@@ -24,6 +24,7 @@ import torch
 from oscar_core import quant
 from oscar_core.bundle import bundle_layers
 from oscar_core.errors import OscarError
+from oscar_core.layers import window_tokens
 from oscar_core.rotations import hadamard
 
 METHODS = ("bf16", "int2", "hadamard", "kivi", "oscar")
@@ -207,7 +208,8 @@ def bits_per_element(method: str, context: int, bundle=None) -> float:
     out = []
     for layer in int2_layers:
         lm = layer_method(method, layer, 1, d, bundle)
-        out.append(quant.layer_bits_per_element(context, lm.key.group_size, lm.value.group_size, sink, recent,
+        s, r = window_tokens(slide.get(layer), sink, recent, lm.token_block)
+        out.append(quant.layer_bits_per_element(context, lm.key.group_size, lm.value.group_size, s, r,
                                                 lm.token_block, slide.get(layer)))
     out += [quant.layer_bits_per_element(context, 0, 0, sink, recent, window=w, int2=False)
             for i, w in slide.items() if i not in int2_layers]

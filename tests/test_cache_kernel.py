@@ -192,6 +192,39 @@ def test_graph_replay_equals_eager_steps():
     assert torch.equal(out[0], out[1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_replays_window_stores():
+    """A model with sliding layers whose windows are window stores (Gemma 3: 100 tokens, 64 INT2 rows) decodes in
+    CUDA-graph replays, past the window, the tokens of the same steps run eagerly; BF16 rings still refuse."""
+    import transformers as tf
+
+    from oscar_core.decode_graph import greedy_generate
+
+    out = []
+    for window in (100, 8):
+        config = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                     vocab_size=256, max_position_embeddings=512, sliding_window=window,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval().to(DEVICE)
+        ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        mask = torch.ones_like(ids)
+        mask[1, :30] = 0
+        for graph in (False, True):
+            cache = OscarCache(None, "int2", config=config, sink_tokens=4, recent_tokens=16)
+            if window == 8 and graph:
+                with pytest.raises(OscarError, match="decodes eagerly"):
+                    greedy_generate(model, cache, ids, mask, max_new_tokens=24, graph=True)
+                continue
+            cache.sequences.static = not graph
+            out.append(greedy_generate(model, cache, ids, mask, max_new_tokens=24, graph=graph))
+        if window == 100:
+            assert cache.layers[0].store.window == 100 and cache.layers[0].store.lengths.tolist() == [113, 83]
+    assert torch.equal(out[0], out[1])
+
+
 def test_kernel_reads_fall_back():
     model = tiny_llama()
     cache = OscarCache(None, "kivi", num_layers=LAYERS, sink_tokens=4, recent_tokens=16, kernel_reads=True)

@@ -11,7 +11,7 @@ from conftest import TINY, tiny_model, tiny_sliding_model
 from oscar_core.cache import OscarCache, OscarLayer, RingLayer, exact_cache, fill, memory_plan
 from oscar_core.errors import OscarError
 from oscar_core.layers import (LayerSpec, attention_layer_ids, check_config, holds_int2, int2_layer_ids, int2_reason,
-                               layer_specs, visible, windowed_attention, windows)
+                               layer_specs, visible, window_tokens, windowed_attention, windows)
 from oscar_core.simulate import simulate_int2
 from oscar_core.statistics import observe_attention
 
@@ -188,6 +188,35 @@ def test_long_window_layer_holds_int2_and_decodes_as_simulated():
     for layer in cache.layers:                            # the last 11 tokens: 3 recent in BF16, 8 INT2
         assert layer.get_seq_length() == 30 and layer.key_store.held() == 11 and layer.key_store.n_int2 == 8
     assert cache.bf16_nbytes() == 3 * 2 * 2 * 11 * 16 * 2
+
+
+def test_window_store_decodes_as_simulated():
+    """A window of 80 with a tile of INT2 rows beside the recent 3 is a window's store (no sink, 64 INT2 rows, 16 BF16
+    slots: layers.window_tokens): decoding past the window, each token's logits equal simulate's at its position,
+    and the cache holds exactly the window, its bytes whole from the first update."""
+    from oscar_core import kvstore
+
+    model = tiny_sliding_model("mistral", 80)
+    cache = OscarCache(None, "int2", config=model.config, sink_tokens=1, recent_tokens=3)
+    assert window_tokens(80, 1, 3) == (0, 16) and window_tokens(80, 1, 3, token_block=8) == (1, 3)
+    x = ids(1)
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=120,
+                             min_new_tokens=120, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        decoded = torch.stack(out.logits, 1)[0]
+        with simulate_int2(model, "int2", sink_tokens=1, recent_tokens=3):
+            simulated = model(out.sequences[:, :-1]).logits[0]
+    assert torch.allclose(decoded, simulated, atol=1e-4)
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    for layer in cache.layers:
+        assert layer.store.window == 80 and layer.int2_tokens() == 64 and layer.get_seq_length() == 120
+        assert layer.nbytes() == kvstore.store_nbytes(1, 80, layer.shape[0], head_dim, *layer.group_sizes,
+                                                      sink_tokens=0, recent_tokens=16) - 4
+    groups = dict(zip(("key_group_size", "value_group_size"), cache.layers[0].group_sizes))
+    plan = memory_plan(len(cache.layers), cache.layers[0].shape[0], head_dim, 120, **groups, sink_tokens=1,
+                       recent_tokens=3, windows=[80] * len(cache.layers))
+    assert plan["bytes_per_sequence"] == cache.nbytes() + 4 * len(cache.layers)
+    assert cache.bf16_nbytes() == len(cache.layers) * 2 * 2 * 80 * head_dim * 2
 
 
 @pytest.mark.parametrize("method", ["kivi", "int2"])
