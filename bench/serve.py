@@ -4,7 +4,8 @@ A random-initialised model with Qwen3-8B's full shapes (36 layers, hidden 4096, 
 head_dim 128, bf16) is built on the GPU from a config (no download), and an OSCAR bundle of random
 orthogonal rotations, means and clips stands in for a calibrated one (the kernels do the same work).
 --model Qwen3-32B: GQA 8; --model Gemma3-12B: head_dim 256, 40 of its 48 layers sliding over 1,024 tokens (the
-INT2 arms hold those in window stores, kvstore.window_cache; the BF16 static arms in transformers' sliding layers).
+INT2 arms hold those in window stores, kvstore.window_cache; bf16-flash in FlashRing below; bf16-static, in transformers'
+static sliding layers, fails at capture).
 Arms, every one in this run, at each (context, batch) point:
   bf16-dynamic   transformers DynamicCache, eager decode steps
   bf16-static    transformers StaticCache, each decode step one CUDA-graph replay (transformers' sdpa path:
@@ -12,7 +13,8 @@ Arms, every one in this run, at each (context, batch) point:
   bf16-flash     a timing stand-in for the best BF16 step torch offers: the same StaticCache and graph, but
                  attention is SDPA with enable_gqa and no mask (flash) over the whole preallocated buffer, the
                  few unwritten slots (at most steps + 24) included: the time of an exact flash-decoding step,
-                 not its output
+                 not its output; a sliding layer is a ring of its N slots written in place (FlashRing: transformers'
+                 static sliding layer rolls its whole buffer every step and cannot be captured)
   int2-eager     OscarCache("oscar") inside oscar_attention, eager decode steps
   int2-graph     the same, each decode step one CUDA-graph replay (oscar_core.decode_graph)
 Long contexts are filled synthetically: random post-RoPE keys and values of `context` tokens written
@@ -131,12 +133,45 @@ def make_cache(arm: str, model, bundle, batch: int, context: int, steps: int):
         pos = torch.arange(context, device="cuda")
         for i in range(layers):
             cache.update(k, v, i, {"cache_position": pos})
+            if arm == "bf16-flash" and getattr(cache.layers[i], "is_sliding", False):
+                cache.layers[i] = FlashRing(cache.layers[i].keys, cache.layers[i].values, context)
     else:
         cache = OscarCache(bundle, "oscar", capacity=context + steps + 8, value_layout=VALUE_LAYOUT[0])
         for i in range(layers):
             cache.update(k, v, i)              # outside oscar_attention: written at once, write.prefill_kv
     torch.cuda.synchronize()
     return cache
+
+
+class FlashRing:
+    """bf16-flash's sliding layer of window N: keys and values [B, H_kv, N, d] holding the last N tokens in some
+    order; a decoded token overwrites the oldest slot (a device counter, so a graph replays it), and flash attends
+    to all N slots, exactly the window its query sees."""
+    is_sliding, is_compileable, is_initialized = True, True, True
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.keys.shape[2]
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, seen: int):
+        self.keys, self.values, self.seen = keys.contiguous(), values.contiguous(), seen
+        self.slot = torch.zeros(1, dtype=torch.long, device=keys.device)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.slot, key_states)
+        self.values.index_copy_(2, self.slot, value_states)
+        self.slot.add_(1).remainder_(self.keys.shape[2])
+        self.seen += 1
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
 
 
 def flash_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):

@@ -36,6 +36,10 @@ lies inside one block (BLOCK_N ≤ G), whose step_c and z_c hold for all its tok
 the products run on the query scaled once a tile and the zero codes add one offset a row
 (_channel_scores). The sink and ring programs read the ring of W + G slots from the first BF16 position
 S + n_int2 on, n_int2 = ⌊(L − S − W)/G⌋·G.
+
+A window's store (kvstore.window_cache: T INT2 rows a ring, no sink) holds exactly a sequence's last N tokens, so it
+is read like any store, over its min(n_int2, T) rows in use (in row order: attention does not depend on it), with
+no mask; for a global layer's store n_int2 ≤ T always.
 """
 
 import contextlib

@@ -42,6 +42,10 @@ block's slots are not reused before it has left). Appends longer than W are the 
 Value codes in 64-row tiles (a store whose value_layout is "tiles", kvstore.Int2KVCache): every writer stores a
 row's value bytes through code_offsets, each 16-bit half into its tile's slot; key codes keep their rows.
 
+A window's store (kvstore.window_cache, RING; keys per token, no sink): INT2 token i goes to row i mod T, and only the
+tokens of the last W + T positions are written (one of a prefill's INT2 tiles starts at the first of its last T
+tokens; an append skips an evicted or direct token older than that), so no two tokens of a launch share a row.
+
 Channels a program (columns): each program rotates and quantizes C channels of its tokens, y[:, c0:c0 + C] =
 (x − μ)·R[:, c0:c0 + C], holding those columns of R; C is the whole head up to head_dim 128 and 128 at 256, where
 the whole R (two bf16 [256, 256] tiles) would not fit a multiprocessor's shared memory. A group of channels never
