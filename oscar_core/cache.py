@@ -28,8 +28,9 @@ A longer window holds INT2 in an OscarLayer whose store is kvstore.window_cache:
 ring of T INT2 rows (W' + T = N, window_split), which hold exactly the last N tokens of each sequence, so the
 decode kernel reads it as it reads a global layer's (no mask) and the Triton writes write it; fixed in size from
 its first update. Its torch reads give the last N − 1 tokens (the mask's size, as DynamicSlidingWindowLayer).
-Keys per channel in a sliding layer, or a window too short for one tile of INT2 rows, keep SideStores (sink,
-INT2, recent, as methods.py stores them) trimmed to the last N − 1 tokens after every update, read by torch.
+With keys per channel the rows hold up to G − 1 tokens of the oldest block that have left the window, which the
+reads skip. A window too short for one tile of INT2 rows (and key blocks) keeps SideStores (sink, INT2, recent, as
+methods.py stores them) trimmed to the last N − 1 tokens after every update, read by torch.
 
 update() follows the serving convention: a single decoded token is written first and then attends to
 what the store holds; the tokens of a multi-token update (prefill, or a prefill chunk) attend to the
@@ -253,7 +254,7 @@ class OscarLayer(DynamicLayer):
         if self.window is not None:
             if self.store is None:
                 self.store = kvstore.window_cache(batch, *self.shape, self.window, *self.group_sizes,
-                                                  self.recent_tokens, self.device, self.value_layout)
+                                                  self.recent_tokens, self.device, self.value_layout, self.key_axis)
                 self.store.lengths = self.sequences.lengths
             return
         cap = self.sequences.capacity
@@ -397,8 +398,8 @@ class OscarLayer(DynamicLayer):
         if self.key_store is not None:
             return self.key_store.n_int2
         if self.window is not None:
-            rows, ring = kvstore.window_split(self.window, self.recent_tokens)
-            return min(max(self.seen - ring, 0), rows)
+            rows, ring = kvstore.window_split(self.window, self.recent_tokens, self.token_block)
+            return min(max(self.seen - ring, 0) // self.token_block * self.token_block, rows)
         return max(self.seen - self.sink_tokens - self.recent_tokens, 0) // self.token_block * self.token_block
 
     def nbytes(self) -> int:
@@ -575,8 +576,8 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     channel layer's store holds a ring of W + G slots and rows in whole blocks of G (kvstore.store_nbytes).
     windows: each layer's sliding window (None: global attention), e.g. [s.window for s in layer_specs(config)];
     a layer whose window holds no INT2 (layers.holds_int2) counts as what its RingLayer allocates, min(context, N)
-    BF16 tokens (N − 1 kept, and the decoded one), in both caches; a longer window as its kvstore.window_cache (keys
-    per token) or a store of min(context, N) tokens (SideStores, keys per channel).
+    BF16 tokens (N − 1 kept, and the decoded one), in both caches; a longer window as its kvstore.window_cache (or,
+    too short for a tile of rows, a store of min(context, N) tokens: SideStores).
     bytes_per_token: one INT2 token of every INT2 layer (codes, scale and zero codes, K and V);
     bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
     included (kvstore.store_nbytes, exactly what OscarCache allocates at that capacity);
@@ -594,9 +595,10 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
                                         sink, recent, axis) for axis in layer_axes)
 
     def layer_store(tokens, axis, window):
-        """A window's store (keys per token, a tile of rows at least) is allocated whole at its first update."""
-        rows, ring_slots = kvstore.window_split(window or 0, recent_tokens)
-        if window is None or axis != "token" or rows == 0:
+        """A window's store (a tile of rows at least) is allocated whole at its first update."""
+        block = key_group_size if axis == "channel" else 1
+        rows, ring_slots = kvstore.window_split(window or 0, recent_tokens, block)
+        if window is None or rows == 0:
             return store(1, tokens, [axis])
         return store(1, window, [axis], 0, ring_slots)
 
@@ -643,9 +645,7 @@ def store_problem(lm: methods.LayerMethod, method: str | None = None) -> str | N
 def window_problem(lm: methods.LayerMethod, window: int, recent: int) -> str | None:
     """Why a sliding layer of this method cannot live in a kvstore.window_cache (None: it can; then
     layers.window_tokens gives its BF16 tokens)."""
-    if lm.key.axis != "token":
-        return "a sliding layer's store keeps keys per token (keys per channel: torch, in SideStores)"
-    if kvstore.window_split(window, recent)[0] == 0:
+    if kvstore.window_split(window, recent, lm.token_block)[0] == 0:
         return f"a window of {window} tokens holds no tile of INT2 rows beside {recent} BF16 tokens"
     return None
 

@@ -134,6 +134,14 @@ class Int2KVCache:
         """The row that INT2 token i (position S + i) lives in: i, or i mod T in a window's ring."""
         return i if self.window is None else i % self.key_codes.shape[2]
 
+    def first_live(self, length: int, n_int2: int) -> int:
+        """The first INT2 token a sequence of `length` tokens still attends to: 0, or in a window's store the first
+        of its last N tokens held (keys per channel: up to G − 1 tokens of the oldest block held are older, rows
+        the decode kernels mask)."""
+        if self.window is None:
+            return 0
+        return max(n_int2 - self.key_codes.shape[2], length - self.window, 0)
+
 
 ROW_BLOCK = 64
 
@@ -227,23 +235,25 @@ def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_gro
         value_layout=value_layout)
 
 
-def window_split(window: int, recent_tokens: int = RECENT_TOKENS) -> tuple[int, int]:
-    """(T, W) of a sliding window of N tokens: T INT2 rows, the most whole tiles of ROW_BLOCK that leave at least
-    recent_tokens, and W = N − T BF16 ring slots (T = 0: too short for one tile)."""
-    rows = max(window - recent_tokens, 0) // ROW_BLOCK * ROW_BLOCK
+def window_split(window: int, recent_tokens: int = RECENT_TOKENS, token_block: int = 1) -> tuple[int, int]:
+    """(T, W) of a sliding window of N tokens: T INT2 rows, the most whole tiles of ROW_BLOCK (and key blocks of
+    token_block) that leave at least recent_tokens, and W = N − T BF16 tokens (T = 0: too short for one tile)."""
+    unit = math.lcm(ROW_BLOCK, token_block)
+    rows = max(window - recent_tokens, 0) // unit * unit
     return rows, window - rows
 
 
 def window_cache(batch: int, kv_heads: int, head_dim: int, window: int, key_group_size: int = 64,
                  value_group_size: int = 64, recent_tokens: int = RECENT_TOKENS, device: str | torch.device = "cpu",
-                 value_layout: str = DEFAULT_VALUE_LAYOUT) -> Int2KVCache:
+                 value_layout: str = DEFAULT_VALUE_LAYOUT, key_axis: str = "token") -> Int2KVCache:
     """An empty store of a sliding layer whose queries see `window` tokens (their own included): no sink, a BF16
-    ring of W slots and a ring of T INT2 rows, (T, W) = window_split (the class docstring); keys per token."""
-    rows, ring = window_split(window, recent_tokens)
+    ring of W slots (W + G with keys per channel) and a ring of T INT2 rows, (T, W) = window_split (the class
+    docstring)."""
+    rows, ring = window_split(window, recent_tokens, key_group_size if key_axis == "channel" else 1)
     if rows == 0:
         raise ValueError(f"a window of {window} tokens holds no INT2 tile beside {recent_tokens} BF16 tokens")
     cache = empty_cache(batch, kv_heads, head_dim, window, key_group_size, value_group_size, 0, ring, device,
-                        value_layout=value_layout)
+                        key_axis=key_axis, value_layout=value_layout)
     cache.window = window
     return cache
 
@@ -307,6 +317,8 @@ def _store_blocks(cache: Int2KVCache, b: int, old: int, keys: torch.Tensor, valu
         return max(length - s - w, 0) // g * g
 
     lo, hi = s + n_int2(old), s + n_int2(final)
+    if cache.window is not None:        # a window's ring of rows keeps the last T INT2 tokens
+        lo = min(max(lo, hi - cache.key_codes.shape[2]), hi)
     pos = torch.arange(old, final, device=keys.device)
     in_sink, in_ring = pos < s, pos >= max(hi, s)
     for x, side in ((keys, "key"), (values, "value")):
@@ -317,11 +329,12 @@ def _store_blocks(cache: Int2KVCache, b: int, old: int, keys: torch.Tensor, valu
             split = min(max(old, lo), hi)       # [lo, split) were stored before: read back from the ring
             kept = ring[b, :, (torch.arange(lo, split, device=keys.device) - s) % r].transpose(0, 1)
             leave = torch.cat([kept.float(), y[split - old:hi - old]])
-            rows = torch.arange(lo - s, hi - s, device=keys.device)
+            rows = cache.int2_row(torch.arange(lo - s, hi - s, device=keys.device))
             if side == "key":
                 packed, scale, zero = write_key_blocks(leave, clip, g)
-                cache.key_scale[b, :, (lo - s) // g:(hi - s) // g] = scale.transpose(0, 1)
-                cache.key_zero[b, :, (lo - s) // g:(hi - s) // g] = zero.transpose(0, 1)
+                blocks = rows[::g] // g
+                cache.key_scale[b, :, blocks] = scale.transpose(0, 1)
+                cache.key_zero[b, :, blocks] = zero.transpose(0, 1)
             else:
                 codes, scale, zero = quant.quantize(leave, cache.value_group_size, clip.float())
                 packed = quant.pack_int2(codes)
@@ -438,14 +451,13 @@ def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]
     n_sink, n_int2 = min(n, s), max(n - s - w, 0) // tb * tb
     dev = cache.lengths.device
     ring = (torch.arange(s + n_int2, max(n, s), device=dev) - s) % cache.ring_slots
-    held = n_int2 if cache.window is None else min(n_int2, cache.key_codes.shape[2])
-    rows = cache.int2_row(torch.arange(n_int2 - held, n_int2, device=dev))
+    rows = cache.int2_row(torch.arange(cache.first_live(n, n_int2), n_int2, device=dev))
     out = []
     for side in ("key", "value"):
         g = getattr(cache, f"{side}_group_size")
         codes = cache.key_codes[b, :, rows] if side == "key" else value_rows(cache, b, rows)
-        if side == "key" and cache.key_axis == "channel":
-            int2 = read_key_blocks(codes, cache.key_scale[b, :, :n_int2 // g], cache.key_zero[b, :, :n_int2 // g], g)
+        if side == "key" and cache.key_axis == "channel":    # each row's block's codes
+            int2 = read_key_blocks(codes, cache.key_scale[b, :, rows // g], cache.key_zero[b, :, rows // g], 1)
         else:
             int2 = read_int2(codes, getattr(cache, f"{side}_scale")[b, :, rows],
                              getattr(cache, f"{side}_zero")[b, :, rows], g)

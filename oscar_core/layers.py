@@ -88,14 +88,14 @@ def holds_int2(spec: LayerSpec, sink: int, recent: int) -> bool:
 
 
 def window_tokens(window: int | None, sink: int, recent: int, token_block: int = 1) -> tuple[int, int]:
-    """The BF16 (sink, recent) tokens of an INT2 layer: in a sliding layer's window store (kvstore.window_cache:
-    keys per token, a tile of INT2 rows beside `recent`) no sink and the W = N − T of kvstore.window_split; any
-    other layer (global, keys per channel, a window too short for a tile) its own."""
+    """The BF16 (sink, recent) tokens of an INT2 layer: in a sliding layer's window store (kvstore.window_cache: a
+    tile of INT2 rows, and whole key blocks of token_block, beside `recent`) no sink and the W = N − T of
+    kvstore.window_split; any other layer (global, a window too short for a tile) its own."""
     from oscar_core.kvstore import window_split
 
-    if window is None or token_block != 1:
+    if window is None:
         return sink, recent
-    rows, ring = window_split(window, recent)
+    rows, ring = window_split(window, recent, token_block)
     return (0, ring) if rows else (sink, recent)
 
 

@@ -41,21 +41,21 @@ def tiny_llama():
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
 
 
-def random_bundle(sink, recent, channel_layers=(), key_group=64):
+def random_bundle(sink, recent, channel_layers=(), key_group=64, layers=LAYERS, windows=None):
     """The fields of a rotation bundle that OscarCache reads: random rotations, means and clips; keys per channel
-    in `channel_layers`, per token elsewhere."""
+    in `channel_layers`, per token elsewhere; windows: {layer: N} of the sliding layers."""
     gen = torch.Generator().manual_seed(1)
     tensors = {}
-    for i in range(LAYERS):
+    for i in range(layers):
         for side, clip in (("key", 0.9), ("value", 0.95)):
             rot = torch.randn(KV_HEADS, HEAD_DIM, HEAD_DIM, generator=gen, dtype=torch.float64)
             tensors[f"layers.{i}.{side}_rotation"] = torch.linalg.qr(rot)[0].float()
             tensors[f"layers.{i}.{side}_mean"] = 0.1 * torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
             tensors[f"layers.{i}.{side}_clip"] = torch.full((KV_HEADS,), clip)
     manifest = SimpleNamespace(
-        name="random", model=SimpleNamespace(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),
+        name="random", model=SimpleNamespace(num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),
         quant=SimpleNamespace(key_group_size=key_group, value_group_size=64, sink_tokens=sink, recent_tokens=recent),
-        rotation=SimpleNamespace(layers=None))
+        rotation=SimpleNamespace(layers=None, windows=windows))
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get(f"layers.{i}.{name}"),
                            key_axis=lambda i: "channel" if i in channel_layers else "token")
 
@@ -402,17 +402,21 @@ def assert_store_matches(got, ref, codes_equal=0.98, meta_equal=0.97):
             assert (a == b).float().mean() > meta_equal and (a - b).abs().max() <= 1, (side, name)
 
 
-def test_window_store_kernels_match_reference():
-    """A window's store (kvstore.window_cache: no sink, a ring of 56 BF16 slots and one of 64 INT2 rows, N = 120):
-    prefill_kv of a left-padded batch longer than N, decode steps and a chunk longer than the BF16 ring through
-    append_kv, each wrapping the rows, against kvstore.append; then the decode kernel on that store against the
-    reference, which reads exactly the last N tokens of each sequence (test_kvstore)."""
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_window_store_kernels_match_reference(axis):
+    """A window's store (kvstore.window_cache, no sink): prefill_kv of a left-padded batch longer than the window,
+    decode steps and chunks through the Triton writes, each wrapping the INT2 rows, against kvstore.append; then
+    the decode kernel on that store against the reference, which reads exactly the last N tokens of each sequence
+    (test_kvstore). Keys per token: N = 120, 64 rows and 56 BF16 slots, a chunk longer than the ring. Keys per
+    channel (blocks of 64, leave_blocks then append_kv): N = 250, 192 rows and a ring of 58 + 64 slots, so the
+    oldest block held keeps up to 63 rows the decode programs skip."""
     gen = torch.Generator().manual_seed(120)
     bsz, heads, d = 3, 2, 64
     layer, on, kr, vr = two_head_layer(gen, heads, d)
-    ref = kvstore.window_cache(bsz, heads, d, 120, 64, 64, recent_tokens=8)
-    got = kvstore.window_cache(bsz, heads, d, 120, 64, 64, recent_tokens=8, device=DEVICE)
-    assert (got.recent_tokens, got.key_codes.shape[2]) == (56, 64)
+    window, kw = (250, dict(key_axis="channel")) if axis == "channel" else (120, {})
+    ref = kvstore.window_cache(bsz, heads, d, window, 64, 64, recent_tokens=8, **kw)
+    got = kvstore.window_cache(bsz, heads, d, window, 64, 64, recent_tokens=8, device=DEVICE, **kw)
+    assert (got.recent_tokens, got.key_codes.shape[2]) == ((58, 192) if axis == "channel" else (56, 64))
 
     def append(n, starts=None, prefill=False):
         k = (torch.randn(bsz, heads, n, d, generator=gen) * 2).bfloat16()
@@ -420,23 +424,29 @@ def test_window_store_kernels_match_reference():
         kvstore.advance(ref, n, starts)
         kvstore.advance(got, n, None if starts is None else starts.to(DEVICE))
         kvstore.append(ref, k, v, layer, starts)
+        st = None if starts is None else starts.to(DEVICE)
         args = (got, k.to(DEVICE), v.to(DEVICE), kr, vr, on["key_clip"], on["value_clip"])
         if prefill:
             write.prefill_kv(*args, block_t=16)
+        elif axis == "channel":
+            write.leave_blocks(got, on["key_clip"], on["value_clip"], n, st)
+            write.append_kv(*args, st, evict=False)
         else:
-            write.append_kv(*args, None if starts is None else starts.to(DEVICE))
+            write.append_kv(*args, st)
 
-    append(200, torch.tensor([0, 5, 110], dtype=torch.int32), prefill=True)
+    append(400 if axis == "channel" else 200, torch.tensor([0, 5, 110], dtype=torch.int32), prefill=True)
     assert_store_matches(got, ref)
     for _ in range(9):
         append(1)
-    append(70, torch.tensor([0, 2, 0], dtype=torch.int32))
+    append(40 if axis == "channel" else 70, torch.tensor([0, 2, 0], dtype=torch.int32))
     append(3)
-    assert got.lengths.tolist() == ref.lengths.tolist() == [282, 275, 172]
+    assert got.lengths.tolist() == ref.lengths.tolist()
     assert_store_matches(got, ref, meta_equal=0.95)    # tokens evicted from rings a bf16 step apart
     q = torch.randn(bsz, 2 * heads, d, generator=gen).to(DEVICE)
     args = (q, got, on["key_rotation"], on["value_rotation"], on["value_mean"], 0.125)
     want = kvstore.decode_attention_reference(*args)
+    if axis == "channel":      # the reference skips expired rows of the oldest block held
+        assert [got.first_live(n, (n - 58) // 64 * 64) % 64 for n in got.lengths.tolist()] != [0, 0, 0]
     err = (decode.decode_attention(*args, block_n=32) - want).norm(dim=-1) / want.norm(dim=-1)
     assert err.max() < 2e-2, err
 
@@ -598,14 +608,16 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
     assert err.max() < 5e-2, err
 
 
-@pytest.mark.parametrize("head_dim,window", [(HEAD_DIM, 8), (256, 8), (HEAD_DIM, 48), (HEAD_DIM, 100)])
-def test_kernel_reads_beside_sliding_layers(head_dim, window):
+@pytest.mark.parametrize("head_dim,window,axis", [(HEAD_DIM, 8, "token"), (256, 8, "token"), (HEAD_DIM, 48, "token"),
+                                                  (HEAD_DIM, 100, "token"), (HEAD_DIM, 100, "channel")])
+def test_kernel_reads_beside_sliding_layers(head_dim, window, axis):
     """Gemma 3 (layers 0 and 2 slide, layer 1 global, INT2; its own head_dim, 256, too): inside oscar_attention the
     global layer is written and decoded by the kernels, in a left-padded batch, against each sequence decoded alone
     through torch writes and reads. Windows of 8 are BF16 rings; one of 48, over 2·(sink + recent) = 40 but short of
     a tile of INT2 rows beside the ring, holds INT2 in the sliding layers' SideStores, read by torch, and the global
     layer still counts the sequences' tokens; one of 100 is a window's store (64 INT2 rows, 36 BF16 slots), which
-    the kernels write and read too (no mask), with prompts longer than the window (its rows wrap)."""
+    the kernels write and read too (no mask), with prompts longer than the window (its rows wrap); with a bundle's
+    keys per channel (blocks of 64) the same window holds 64 rows beside 36 BF16 tokens, up to 63 of them gone."""
     import transformers as tf
 
     config = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_attention_heads=HEADS,
@@ -615,11 +627,15 @@ def test_kernel_reads_beside_sliding_layers(head_dim, window):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
-    ids = torch.randint(0, 256, (2, 150 if window == 100 else 70), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    n = {8: 70, 48: 70, 100: 250 if axis == "channel" else 150}[window]
+    ids = torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :15] = 0
 
     def cache(kernel):
+        if axis == "channel":
+            bundle = random_bundle(4, 16, channel_layers=(0, 1, 2), layers=3, windows={0: window, 2: window})
+            return OscarCache(bundle, "oscar", kernel_reads=kernel, kernel_writes=kernel)
         return OscarCache(None, "int2", config=config, sink_tokens=4, recent_tokens=16, kernel_reads=kernel,
                           kernel_writes=kernel)
 
@@ -638,6 +654,7 @@ def test_kernel_reads_beside_sliding_layers(head_dim, window):
     else:
         assert by_kernel.layers[0].store.window == window and every
         assert by_kernel.layers[0].write is not None and by_kernel.layers[0].store.int2_tokens().tolist() == [64, 64]
+        assert by_kernel.layers[0].store.key_axis == axis
     assert calls == ([1, 2] * 3 if window == 100 else [1] * 3)
     assert by_kernel.layers[1].write is not None        # the Triton write kernels, at head_dim 256 too
     for b, start in ((0, 0), (1, 15)):

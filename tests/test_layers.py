@@ -198,7 +198,7 @@ def test_window_store_decodes_as_simulated():
 
     model = tiny_sliding_model("mistral", 80)
     cache = OscarCache(None, "int2", config=model.config, sink_tokens=1, recent_tokens=3)
-    assert window_tokens(80, 1, 3) == (0, 16) and window_tokens(80, 1, 3, token_block=8) == (1, 3)
+    assert window_tokens(80, 1, 3) == (0, 16) and window_tokens(80, 1, 3, token_block=128) == (1, 3)
     x = ids(1)
     with torch.inference_mode():
         out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=120,

@@ -247,15 +247,15 @@ def _channel_scores(q0, q1, q2, q3, u0, u1, u2, u3, ksc_ptr, kz_ptr, meta, j, lo
 
 @triton.jit
 def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
-               bh, h, start, end, q_row0, log2_scale, T, slot,
+               bh, h, start, end, q_row0, log2_scale, T, slot, hole_lo, hole_hi,
                HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HGP: tl.constexpr,
                BLOCK_N: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr, ROTATE: tl.constexpr,
-               F32: tl.constexpr, TB: tl.constexpr, VT: tl.constexpr):
+               F32: tl.constexpr, TB: tl.constexpr, VT: tl.constexpr, HOLE: tl.constexpr):
     """Attention over INT2 rows [start, end) of one sequence and KV head. KEY_T computes the score tile
     transposed (tokens as rows); both orders give the same function. TB > 1: keys per channel over blocks
     of TB tokens (scale / zero codes [T/TB, D]), each tile inside one block (BLOCK_N divides TB), scored by
     _channel_scores; GK then only stacks the query's channels as rows. VT: value codes in 64-row tiles
-    (kvstore's value_layout "tiles")."""
+    (kvstore's value_layout "tiles"). HOLE: rows [hole_lo, hole_hi) are skipped (a window's expired rows)."""
     NGK: tl.constexpr = D // GK
     NGV: tl.constexpr = D // GV
     MK: tl.constexpr = NGK * HGP
@@ -298,6 +298,8 @@ def _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, 
     for t0 in range(start, end, BLOCK_N):
         n = t0 + tl.arange(0, BLOCK_N)
         valid = n < end
+        if HOLE:
+            valid = valid & ((n < hole_lo) | (n >= hole_hi))
         kp = tl.load(kc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
         u0, u1, u2, u3 = _unpack_raw(kp, USE_ASM)
         if TB > 1:
@@ -447,6 +449,20 @@ def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.
 
 
 @triton.jit
+def expired_rows(length, n_int2, T, S: tl.constexpr, W: tl.constexpr, HOLE: tl.constexpr):
+    """[lo, hi): the rows of a window's store (HOLE; keys per channel) holding tokens older than its window, the
+    first of the oldest block held (kvstore.Int2KVCache.first_live): with N = S + W + T, INT2 tokens from
+    base = max(n_int2 − T, 0) are held and those below L − N are gone. (0, 0) without HOLE."""
+    lo = 0
+    hi = 0
+    if HOLE:
+        base = tl.maximum(n_int2 - T, 0)
+        lo = base % T
+        hi = lo + tl.maximum(length - S - W - T - base, 0)
+    return lo, hi
+
+
+@triton.jit
 def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr,
                   len_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr,
                   scale_log2, log2_scale, T, n_int2_splits, min_chunk, NS,
@@ -454,7 +470,8 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
                   USE_ASM: tl.constexpr, ROTATE: tl.constexpr, MERGE: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, PDL: tl.constexpr):
+                  F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, PDL: tl.constexpr,
+                  HOLE: tl.constexpr):
     """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
     finish merges (else _reduce_kernel does, in a launch of its own). TB > 1: keys per channel over blocks
     of TB tokens, a ring of R slots (kvstore.Int2KVCache). PDL: launched as a programmatic dependent of the
@@ -476,6 +493,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
         n_int2 = tl.maximum(length - S - W, 0)
         if TB > 1:
             n_int2 = n_int2 // TB * TB
+        hole_lo, hole_hi = expired_rows(length, n_int2, T, S, W, HOLE)
         n_int2 = tl.minimum(n_int2, T)     # a window's ring of T rows holds its last T INT2 tokens
         chunk = tl.maximum(tl.cdiv(n_int2, n_int2_splits), min_chunk)
         chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
@@ -483,8 +501,8 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
         end = tl.minimum(start + chunk, n_int2)
         if start < end:
             _int2_part(q_ptr, rk_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
-                       bh, h, start, end, q_row0, log2_scale, T, slot, HG, D, GK, GV, HGP, BLOCK_N, KEY_T,
-                       USE_ASM, ROTATE, F32, TB, VT)
+                       bh, h, start, end, q_row0, log2_scale, T, slot, hole_lo, hole_hi, HG, D, GK, GV, HGP,
+                       BLOCK_N, KEY_T, USE_ASM, ROTATE, F32, TB, VT, HOLE)
         else:
             r = tl.arange(0, HGP)
             tl.store(pm_ptr + slot * HG + r, tl.full([HGP], -1e30, tl.float32), mask=r < HG)
@@ -709,7 +727,13 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
                 BLOCK_N=64, STAGES=_gluon().STAGES if ring else 0, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
                 D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv, tiles),
-                KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles)
+                KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles, HOLE=hole(cache))
+
+
+def hole(cache: Int2KVCache) -> bool:
+    """Whether the decode programs skip a store's expired rows (expired_rows): a window's store with keys per
+    channel, whose rows hold up to G − 1 tokens of its oldest block that have left the window."""
+    return cache.window is not None and cache.token_block > 1
 
 
 def keys_ahead(head_dim: int, heads_per_program: int, token_block: int, key_groups: int,
@@ -1003,7 +1027,8 @@ def launch_plan(q, cache, max_length=None, block_n=None, block_w=64, num_warps=N
     """The launch settings decode_attention(q, cache, ...) uses with these arguments (plan.gluon: whether the
     Gluon programs take the INT2 rows), worked out on the first call of a shape and kept in _PLANS."""
     key = (q.device, tuple(q.shape), cache.key_codes.shape[1:3], cache.key_group_size, cache.value_group_size,
-           cache.key_axis, cache.value_layout, cache.sink_tokens, cache.ring_slots, max_length, block_n, block_w,
+           cache.key_axis, cache.value_layout, cache.sink_tokens, cache.ring_slots, hole(cache), max_length, block_n,
+           block_w,
            num_warps, num_stages,
            waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean, pdl)
     plan = _PLANS.get(key)
@@ -1093,7 +1118,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           HGP=hgp, QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16),
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
                           F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1,
-                          VT=cache.value_tiles, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch),
+                          VT=cache.value_tiles, PDL=pdl, HOLE=hole(cache), num_warps=num_warps,
+                          num_stages=num_stages, **launch),
         gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
         gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
         reduce_grid=(bsz * kv_heads, d // block_c),

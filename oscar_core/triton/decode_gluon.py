@@ -389,7 +389,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
                        MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr,
-                       PDL: gl.constexpr = False):
+                       PDL: gl.constexpr = False, HOLE: gl.constexpr = False):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -404,7 +404,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     masked to the program's rows; otherwise only those of its last tile, the one that can run past them (a
     warp-uniform branch). KEYS_AHEAD: each tile's key words are loaded during the tile before (loop-carried), so
     the first key product does not wait on memory. PDL: launched as a programmatic dependent of the query
-    rotation (or, on one stream, the window programs): q̃ is read after _grid_wait."""
+    rotation (or, on one stream, the window programs): q̃ is read after _grid_wait. HOLE: a window's store with
+    keys per channel, whose expired rows (decode.expired_rows) are masked in the tiles that hold them."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -429,7 +430,12 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     b = bh // HKV
     length = gl.load(len_ptr + b)
     slot = bh * NS + sid
-    n_int2 = gl.minimum(gl.maximum(length - S - W, 0) // TB * TB, T)     # T: a window's ring of rows
+    n_full = gl.maximum(length - S - W, 0) // TB * TB
+    n_int2 = gl.minimum(n_full, T)     # T: a window's ring of rows
+    if HOLE:
+        base = gl.maximum(n_full - T, 0)
+        hole_lo = base % T
+        hole_hi = hole_lo + gl.maximum(length - S - W - T - base, 0)
     chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
     chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
     start = (sid - NW) * chunk
@@ -701,6 +707,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                 x = gl.sum(gl.reshape(y, [BLOCK_N, R4, 2]), axis=2)
         if MASK_ALL or t0 + BLOCK_N > end:
             x = gl.where((t0 + xtok < end)[:, None], x, float("-inf"))
+        if HOLE:
+            if (t0 < hole_hi) & (t0 + BLOCK_N > hole_lo):
+                x = gl.where(((t0 + xtok < hole_lo) | (t0 + xtok >= hole_hi))[:, None], x, float("-inf"))
         m_tile = gl.max(x, axis=0)
         if gl.max(m_tile - m, axis=0) > 8.0:
             m_new = gl.maximum(m, m_tile)

@@ -405,9 +405,12 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
         # Key blocks of TB = HALVES·BT tokens, BT at a time: a channel's range over the block's tiles, then each
         # tile quantized with it (HALVES = 2: the tiles' rotations both held).
         HALVES: tl.constexpr = TB // BT
+        kb0 = 0
+        if RING:
+            kb0 = tl.maximum(n_int2 - T, 0) // TB
         if AHEAD:
-            x = _int2_tile(xb, HALVES * tl.program_id(0), S, first, int2_end, sx_t, D, BT)
-        for kb in range(tl.program_id(0), n_int2 // TB, tl.num_programs(0)):
+            x = _int2_tile(xb, HALVES * (kb0 + tl.program_id(0)), S, first, int2_end, sx_t, D, BT)
+        for kb in range(kb0 + tl.program_id(0), n_int2 // TB, tl.num_programs(0)):
             if AHEAD:
                 x_next = _int2_tile(xb, HALVES * (kb + tl.num_programs(0)), S, first, int2_end, sx_t, D, BT)
             else:
@@ -421,13 +424,16 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                 lo = tl.minimum(lo, tl.min(y1, axis=1))
                 hi = tl.maximum(hi, tl.max(y1, axis=1))
             code, inv, zero = _group_params(lo, hi, clip, F32)
-            row0 = bh * T + kb * TB
+            kr = kb
+            if RING:
+                kr = kb % (T // TB)
+            row0 = bh * T + kr * TB
             cp = codes_ptr + row0 * (D // 4) + c0 // 4 + (i[None, :] * (D // 4) + tl.arange(0, C // 4)[:, None])
             tl.store(cp, _pack_columns(y, inv, zero, BT, C, F32))
             if HALVES == 2:
                 tl.store(cp + BT * (D // 4), _pack_columns(y1, inv, zero, BT, C, F32))
-            tl.store(scale_ptr + (bh * (T // TB) + kb) * D + order, code.to(tl.uint8))
-            tl.store(zero_ptr + (bh * (T // TB) + kb) * D + order, zero.to(tl.int8))
+            tl.store(scale_ptr + (bh * (T // TB) + kr) * D + order, code.to(tl.uint8))
+            tl.store(zero_ptr + (bh * (T // TB) + kr) * D + order, zero.to(tl.int8))
             if AHEAD:
                 x = x_next
     else:
@@ -635,8 +641,8 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     bsz, heads, n, d = keys.shape
     c = columns(d, _channel_groups(cache), columns_a_program)
     s, tb = cache.sink_tokens, cache.token_block
-    if cache.window is not None and (tb > 1 or cache.key_codes.shape[2] % block_t):
-        raise ValueError("prefill_kv writes a window's store with keys per token, in tiles that divide its rows")
+    if cache.window is not None and cache.key_codes.shape[2] % max(block_t, tb):
+        raise ValueError("prefill_kv writes a window's store in tiles that divide its rows")
     bt = max(min(tb, block_t), tb // 2) if tb > 1 else block_t
     registers = (128 if bt > 64 else None) if registers == 0 else registers
     if ahead is None:
@@ -693,9 +699,11 @@ def _pack_columns(yt, inv, zero, BT: tl.constexpr, D: tl.constexpr, F32: tl.cons
 def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
                   kclip_ptr, vclip_ptr, len_ptr, start_ptr, n, T,
                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
-                  W: tl.constexpr, R: tl.constexpr, HAS_START: tl.constexpr, F32: tl.constexpr, VT: tl.constexpr):
+                  W: tl.constexpr, R: tl.constexpr, HAS_START: tl.constexpr, F32: tl.constexpr, VT: tl.constexpr,
+                  RING: tl.constexpr):
     """Program (k, b·H + h, side): the k-th block of sequence b that this append of n tokens pushes out of
-    the window (lengths already count them), from its G ring slots into INT2; nothing if there is none."""
+    the window (lengths already count them), from its G ring slots into INT2; nothing if there is none. RING: a
+    window's store, block j in row block j mod T/G, only the last T/G blocks written."""
     k = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -707,18 +715,23 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
     first = tl.maximum(length - count - S - W, 0) // G
     last = tl.maximum(length - S - W, 0) // G
     blk = first + k
-    if blk < last:
+    kr = blk
+    live = blk < last
+    if RING:
+        kr = blk % (T // G)
+        live = live & (blk >= last - T // G)
+    if live:
         t = tl.arange(0, G)
         c = tl.arange(0, D)
         bh64 = bh.to(tl.int64)
         slot = (bh64 * R + (blk * G + t) % R) * D
-        row = bh64 * T + blk * G + t
+        row = bh64 * T + kr * G + t
         if tl.program_id(2) == 0:
             order = _byte_order(D)
             yt = tl.load(kring_ptr + slot[None, :] + order[:, None]).to(tl.float32)
             packed, code, zero = _quantize_columns(yt, tl.load(kclip_ptr + h), G, D, F32)
             tl.store(kcodes_ptr + row[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None], packed)
-            meta = (bh64 * (T // G) + blk) * D + order
+            meta = (bh64 * (T // G) + kr) * D + order
             tl.store(kscale_ptr + meta, code)
             tl.store(kzero_ptr + meta, zero)
         else:
@@ -742,5 +755,5 @@ def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int
         cache.lengths if starts is None else starts, n, cache.key_codes.shape[2],
         H=heads, D=d, G=g, GV=cache.value_group_size, S=cache.sink_tokens, W=cache.recent_tokens,
         R=cache.ring_slots, HAS_START=starts is not None, F32=not cache.key_codes.is_cuda,
-        VT=cache.value_tiles,
+        VT=cache.value_tiles, RING=cache.window is not None,
         num_warps=4 if g * d <= 8192 else 8)
