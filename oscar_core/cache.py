@@ -24,12 +24,11 @@ first OscarLayer advances the shared sequence lengths.
 Sliding layers (layers.LayerSpec.window = N: a query sees its own token and the N − 1 before it). One whose
 window is too short for INT2 to pay (layers.holds_int2), or any sliding layer of the bf16 method, is a RingLayer:
 the last N − 1 tokens in BF16, as transformers' DynamicSlidingWindowLayer keeps them (and sizes the mask from).
-A longer window holds INT2 in an OscarLayer whose store is kvstore.window_cache: no sink, a BF16 ring of W' and a
-ring of T INT2 rows (W' + T = N, window_split), which hold exactly the last N tokens of each sequence, so the
-decode kernel reads it as it reads a global layer's (no mask) and the Triton writes write it; fixed in size from
-its first update. Its torch reads give the last N − 1 tokens (the mask's size, as DynamicSlidingWindowLayer).
-With keys per channel the rows hold up to G − 1 tokens of the oldest block that have left the window, which the
-reads skip. A window too short for one tile of INT2 rows (and key blocks) keeps SideStores (sink, INT2, recent, as
+A longer window holds INT2 in an OscarLayer whose store is kvstore.window_cache: the sink, a BF16 ring of W' and a
+ring of T INT2 rows (W' + T = N, window_split), which hold the last N tokens of each sequence past the sink, so the
+decode kernel reads it as it reads a global layer's (skipping the sink tokens once out of the window, and with keys
+per channel up to G − 1 tokens of the oldest block held) and the Triton writes write it; fixed in size from its
+first update. Its torch reads give the last N − 1 tokens (the mask's size, as DynamicSlidingWindowLayer). A window too short for one tile of INT2 rows (and key blocks) keeps SideStores (sink, INT2, recent, as
 methods.py stores them) trimmed to the last N − 1 tokens after every update, read by torch.
 
 update() follows the serving convention: a single decoded token is written first and then attends to
@@ -254,7 +253,8 @@ class OscarLayer(DynamicLayer):
         if self.window is not None:
             if self.store is None:
                 self.store = kvstore.window_cache(batch, *self.shape, self.window, *self.group_sizes,
-                                                  self.recent_tokens, self.device, self.value_layout, self.key_axis)
+                                                  self.sink_tokens, self.recent_tokens, self.device,
+                                                  self.value_layout, self.key_axis)
                 self.store.lengths = self.sequences.lengths
             return
         cap = self.sequences.capacity
@@ -399,7 +399,7 @@ class OscarLayer(DynamicLayer):
             return self.key_store.n_int2
         if self.window is not None:
             rows, ring = kvstore.window_split(self.window, self.recent_tokens, self.token_block)
-            return min(max(self.seen - ring, 0) // self.token_block * self.token_block, rows)
+            return min(max(self.seen - self.sink_tokens - ring, 0) // self.token_block * self.token_block, rows)
         return max(self.seen - self.sink_tokens - self.recent_tokens, 0) // self.token_block * self.token_block
 
     def nbytes(self) -> int:
@@ -600,7 +600,7 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
         rows, ring_slots = kvstore.window_split(window or 0, recent_tokens, block)
         if window is None or rows == 0:
             return store(1, tokens, [axis])
-        return store(1, window, [axis], 0, ring_slots)
+        return store(1, sink_tokens + window, [axis], sink_tokens, ring_slots)
 
     per_seq = sum(layer_store(*h) for h in held) + ring_bytes
     bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens, _, _ in held) + ring_bytes
@@ -637,14 +637,14 @@ def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_
 def store_problem(lm: methods.LayerMethod, method: str | None = None) -> str | None:
     """Why a layer of this method cannot live in a kvstore.Int2KVCache (None: it can): values per token, keys
     per token or per channel. The kivi baseline keeps the SideStore (as it was measured)."""
-    if any(side is None for side in (lm.key, lm.value)) or lm.value.axis != "token" or method == "kivi":
+    if not methods.stored(lm, method):
         return "the kernel reads INT2 values in per-token groups, keys per-token or by a bundle's channel blocks"
     return None
 
 
 def window_problem(lm: methods.LayerMethod, window: int, recent: int) -> str | None:
     """Why a sliding layer of this method cannot live in a kvstore.window_cache (None: it can; then
-    layers.window_tokens gives its BF16 tokens)."""
+    layers.window_recent gives its recent BF16 tokens)."""
     if kvstore.window_split(window, recent, lm.token_block)[0] == 0:
         return f"a window of {window} tokens holds no tile of INT2 rows beside {recent} BF16 tokens"
     return None

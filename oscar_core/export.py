@@ -15,7 +15,7 @@ from oscar_core.calibration import read_layer_statistics, read_record, read_stat
 from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes
-from oscar_core.layers import holds_int2, int2_layer_ids, int2_reason, specs_from, window_tokens
+from oscar_core.layers import holds_int2, int2_layer_ids, int2_reason, specs_from, window_recent
 from oscar_core.provenance import platform_record
 from oscar_core.quant import layer_bits_per_element
 from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error
@@ -36,9 +36,9 @@ def average_bits(context: int, quant: dict, layers=((1, None, True),)) -> float:
     """Bits per K/V element at `context` tokens, averaged over the KV layers, each (token_block, window, int2) as
     quant.layer_bits_per_element takes them; the default is one global layer with keys per token."""
     q = quant
-    return round(sum(layer_bits_per_element(context, q["key_group_size"], q["value_group_size"],
-                                            *window_tokens(window, q["sink_tokens"], q["recent_tokens"], block),
-                                            block, window, int2) for block, window, int2 in layers) / len(layers), 4)
+    return round(sum(layer_bits_per_element(context, q["key_group_size"], q["value_group_size"], q["sink_tokens"],
+                                            window_recent(window, q["recent_tokens"], block), block, window, int2)
+                     for block, window, int2 in layers) / len(layers), 4)
 
 
 def default_workers() -> int:

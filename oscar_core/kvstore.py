@@ -69,10 +69,11 @@ class Int2KVCache:
     and the BF16 ring tokens are positions S + n_int2 .. L − 1 (at most W + G − 1, so a block that
     leaves and the token that pushes it out never share a slot). T is a multiple of G.
 
-    window N (a sliding layer's store, window_cache; keys per token, no sink): the T INT2 rows are a ring, INT2
-    token i (position i) in row i mod T, and T + W = N. The W ring slots and the min(n_int2, T) rows in use then
-    hold exactly a sequence's last N tokens, every older one overwritten: the window a query sees once it is
-    written (its own token and the N − 1 before it), with no mask.
+    window N (a sliding layer's store, window_cache): the T INT2 rows are a ring, INT2 token i (position S + i) in
+    row i mod T, and T + W = N. The W ring slots and the min(n_int2, T) rows in use then hold a sequence's last N
+    tokens past the sink, every older one overwritten: the window a query sees once it is written (its own token
+    and the N − 1 before it), but for the sink tokens that have left it (p < L − N, which reads skip) and, with
+    keys per channel, up to G − 1 tokens of the oldest block held (first_live, which reads skip too).
 
     value_layout "tiles" (the default; "rows" is the layout above) changes where value_codes keeps its bytes: each
     tile of 64 rows (rows 64k .. 64k + 63 of one sequence and KV head, the same bytes as in "rows") holds its
@@ -140,7 +141,7 @@ class Int2KVCache:
         the decode kernels mask)."""
         if self.window is None:
             return 0
-        return max(n_int2 - self.key_codes.shape[2], length - self.window, 0)
+        return max(n_int2 - self.key_codes.shape[2], length - self.window - self.sink_tokens, 0)
 
 
 ROW_BLOCK = 64
@@ -244,16 +245,17 @@ def window_split(window: int, recent_tokens: int = RECENT_TOKENS, token_block: i
 
 
 def window_cache(batch: int, kv_heads: int, head_dim: int, window: int, key_group_size: int = 64,
-                 value_group_size: int = 64, recent_tokens: int = RECENT_TOKENS, device: str | torch.device = "cpu",
-                 value_layout: str = DEFAULT_VALUE_LAYOUT, key_axis: str = "token") -> Int2KVCache:
-    """An empty store of a sliding layer whose queries see `window` tokens (their own included): no sink, a BF16
+                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
+                 device: str | torch.device = "cpu", value_layout: str = DEFAULT_VALUE_LAYOUT,
+                 key_axis: str = "token") -> Int2KVCache:
+    """An empty store of a sliding layer whose queries see `window` tokens (their own included): the sink, a BF16
     ring of W slots (W + G with keys per channel) and a ring of T INT2 rows, (T, W) = window_split (the class
     docstring)."""
     rows, ring = window_split(window, recent_tokens, key_group_size if key_axis == "channel" else 1)
     if rows == 0:
         raise ValueError(f"a window of {window} tokens holds no INT2 tile beside {recent_tokens} BF16 tokens")
-    cache = empty_cache(batch, kv_heads, head_dim, window, key_group_size, value_group_size, 0, ring, device,
-                        key_axis=key_axis, value_layout=value_layout)
+    cache = empty_cache(batch, kv_heads, head_dim, sink_tokens + window, key_group_size, value_group_size,
+                        sink_tokens, ring, device, key_axis=key_axis, value_layout=value_layout)
     cache.window = window
     return cache
 
@@ -449,6 +451,7 @@ def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]
     n = int(cache.lengths[b])
     s, w, tb = cache.sink_tokens, cache.recent_tokens, cache.token_block
     n_sink, n_int2 = min(n, s), max(n - s - w, 0) // tb * tb
+    gone = 0 if cache.window is None else min(max(n - cache.window, 0), n_sink)     # sink tokens out of the window
     dev = cache.lengths.device
     ring = (torch.arange(s + n_int2, max(n, s), device=dev) - s) % cache.ring_slots
     rows = cache.int2_row(torch.arange(cache.first_live(n, n_int2), n_int2, device=dev))
@@ -461,7 +464,7 @@ def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]
         else:
             int2 = read_int2(codes, getattr(cache, f"{side}_scale")[b, :, rows],
                              getattr(cache, f"{side}_zero")[b, :, rows], g)
-        parts = [getattr(cache, f"{side}_sink")[b, :, :n_sink].float(), int2,
+        parts = [getattr(cache, f"{side}_sink")[b, :, gone:n_sink].float(), int2,
                  getattr(cache, f"{side}_recent")[b, :, ring].float()]
         out.append(torch.cat(parts, dim=1))
     return out[0], out[1]

@@ -15,9 +15,8 @@ layer_types a `sliding_window` applies to every layer (Mistral, Mixtral, Phi-3).
 
 Which layers hold INT2 tokens (holds_int2): every KV layer with global attention, and a sliding layer whose
 window is longer than 2·(sink + recent) tokens; a shorter window is kept whole as a BF16 ring of its last W
-tokens, as serving engines do (INT2 would cover at most half of it). A longer one with keys per token keeps no
-sink (its first tokens leave the window) and a recent window rounded up so its INT2 rows are whole tiles
-(window_tokens, the cache's kvstore.window_cache).
+tokens, as serving engines do (INT2 would cover at most half of it). A longer one keeps a recent window rounded up
+so that its INT2 rows are whole tiles (window_recent, the cache's kvstore.window_cache).
 
 The hooks check at run time that the window a layer passes its attention function is the one read here
 (check_window); visible() is the mask and windowed_attention() the exact windowed attention every stage uses.
@@ -87,16 +86,16 @@ def holds_int2(spec: LayerSpec, sink: int, recent: int) -> bool:
     return spec.kv_cache and (spec.window is None or spec.window > 2 * (sink + recent))
 
 
-def window_tokens(window: int | None, sink: int, recent: int, token_block: int = 1) -> tuple[int, int]:
-    """The BF16 (sink, recent) tokens of an INT2 layer: in a sliding layer's window store (kvstore.window_cache: a
-    tile of INT2 rows, and whole key blocks of token_block, beside `recent`) no sink and the W = N − T of
-    kvstore.window_split; any other layer (global, a window too short for a tile) its own."""
+def window_recent(window: int | None, recent: int, token_block: int = 1, stored: bool = True) -> int:
+    """The recent BF16 tokens of an INT2 layer: in a sliding layer's window store (stored: methods.stored; a tile of
+    INT2 rows, and whole key blocks of token_block, beside `recent`: kvstore.window_cache) the W = N − T of
+    kvstore.window_split, at least `recent` (so that its T rows are whole tiles); any other layer its own."""
     from oscar_core.kvstore import window_split
 
-    if window is None:
-        return sink, recent
+    if window is None or not stored:
+        return recent
     rows, ring = window_split(window, recent, token_block)
-    return (0, ring) if rows else (sink, recent)
+    return ring if rows else recent
 
 
 def int2_layer_ids(specs: list[LayerSpec], sink: int, recent: int) -> list[int] | None:

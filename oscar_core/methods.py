@@ -24,7 +24,7 @@ import torch
 from oscar_core import quant
 from oscar_core.bundle import bundle_layers
 from oscar_core.errors import OscarError
-from oscar_core.layers import window_tokens
+from oscar_core.layers import window_recent
 from oscar_core.rotations import hadamard
 
 METHODS = ("bf16", "int2", "hadamard", "kivi", "oscar")
@@ -63,6 +63,13 @@ class LayerMethod:
     def token_block(self) -> int:
         """Tokens that leave the recent window for INT2 together (both sides): 1, or G for channel-axis keys."""
         return max([side.token_block for side in (self.key, self.value) if side is not None], default=1)
+
+
+def stored(lm: LayerMethod, method: str | None = None) -> bool:
+    """Whether OscarCache keeps a layer of this method in a kvstore store (kernel-readable; a sliding one in a window
+    store): both sides INT2, values per token (keys per token or per channel), and not the kivi baseline, which
+    keeps the SideStores it was measured in."""
+    return lm.key is not None and lm.value is not None and lm.value.axis == "token" and method != "kivi"
 
 
 def check_method(method: str) -> None:
@@ -208,8 +215,8 @@ def bits_per_element(method: str, context: int, bundle=None) -> float:
     out = []
     for layer in int2_layers:
         lm = layer_method(method, layer, 1, d, bundle)
-        s, r = window_tokens(slide.get(layer), sink, recent, lm.token_block)
-        out.append(quant.layer_bits_per_element(context, lm.key.group_size, lm.value.group_size, s, r,
+        r = window_recent(slide.get(layer), recent, lm.token_block, stored(lm, method))
+        out.append(quant.layer_bits_per_element(context, lm.key.group_size, lm.value.group_size, sink, r,
                                                 lm.token_block, slide.get(layer)))
     out += [quant.layer_bits_per_element(context, 0, 0, sink, recent, window=w, int2=False)
             for i, w in slide.items() if i not in int2_layers]

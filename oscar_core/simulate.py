@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from oscar_core import methods
-from oscar_core.layers import check_window, holds_int2, layer_specs, visible, window_tokens, windowed_attention
+from oscar_core.layers import check_window, holds_int2, layer_specs, visible, window_recent, windowed_attention
 from oscar_core.statistics import route_attention
 
 ATTENTION_NAME = "oscar_simulate"
@@ -125,8 +125,9 @@ def simulate_int2(model, method: str, bundle=None, sink_tokens: int | None = Non
             per_layer[i] = (methods.layer_method(method, i, key.shape[1], key.shape[-1], bundle)
                             if holds_int2(specs[i], sink, recent) else methods.LayerMethod(None, None))
         scaling = scaling or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-        s, r = window_tokens(specs[i].window, sink, recent, per_layer[i].token_block)
-        out = simulated_attention(query, key, value, per_layer[i], float(scaling), s, r, chunk, specs[i].window)
+        lm = per_layer[i]
+        r = window_recent(specs[i].window, recent, lm.token_block, methods.stored(lm, method))
+        out = simulated_attention(query, key, value, lm, float(scaling), sink, r, chunk, specs[i].window)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     with route_attention(model, ATTENTION_NAME, attention):

@@ -225,21 +225,22 @@ def test_channel_keys_store_bytes():
 
 @pytest.mark.parametrize("axis", ["token", "channel"])
 def test_window_store_holds_the_last_n_tokens(axis):
-    """A window's store (no sink, a BF16 ring of W, a ring of T INT2 rows, T + W = N) reads back exactly the last N
-    tokens of a store that keeps every token with the same ring, through prefills longer than N, decode steps and
-    chunks that wrap its rows; the rows are whole tiles (and key blocks), the ring what is left. Keys per channel
-    (blocks of 16): the rows hold up to 15 older tokens of the oldest block, which reads skip."""
+    """A window's store (a sink of 4, a BF16 ring of W, a ring of T INT2 rows, T + W = N) reads back exactly the last
+    N tokens of a store that keeps every token with the same sink and ring, through prefills longer than N, decode
+    steps and chunks that wrap its rows (its sink tokens skipped once out of the window); the rows are whole tiles
+    (and key blocks), the ring what is left. Keys per channel (blocks of 16): the rows hold up to 15 older tokens of
+    the oldest block, which reads skip."""
     gen = torch.Generator().manual_seed(4)
     layer = make_layer(2, 64, gen)
     assert kvstore.window_split(1024) == (768, 256) and kvstore.window_split(300, 40) == (256, 44)
     assert kvstore.window_split(100, 40)[0] == 0 and kvstore.window_split(1024, 256, 128) == (768, 256)
     assert kvstore.window_split(1000, 256, 128) == (640, 360)
     kw = dict(key_group_size=16, key_axis="channel") if axis == "channel" else {}
-    win = kvstore.window_cache(2, 2, 64, 300, recent_tokens=40, **kw)
-    full = kvstore.empty_cache(2, 2, 64, 2000, sink_tokens=0, recent_tokens=win.recent_tokens, **kw)
-    assert (win.sink_tokens, win.recent_tokens, win.key_codes.shape[2]) == (0, 44, 256)
+    win = kvstore.window_cache(2, 2, 64, 300, sink_tokens=4, recent_tokens=40, **kw)
+    full = kvstore.empty_cache(2, 2, 64, 2000, sink_tokens=4, recent_tokens=win.recent_tokens, **kw)
+    assert (win.sink_tokens, win.recent_tokens, win.key_codes.shape[2]) == (4, 44, 256)
     length = 0
-    for n in [500, 1, 37, 1, 300, 129] + [1] * 20:
+    for n in [2, 1, 280, 1, 20, 500, 1, 37, 1, 300, 129] + [1] * 20:
         k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
         for store in (win, full):
             kvstore.advance(store, n)

@@ -11,7 +11,7 @@ from conftest import TINY, tiny_model, tiny_sliding_model
 from oscar_core.cache import OscarCache, OscarLayer, RingLayer, exact_cache, fill, memory_plan
 from oscar_core.errors import OscarError
 from oscar_core.layers import (LayerSpec, attention_layer_ids, check_config, holds_int2, int2_layer_ids, int2_reason,
-                               layer_specs, visible, window_tokens, windowed_attention, windows)
+                               layer_specs, visible, window_recent, windowed_attention, windows)
 from oscar_core.simulate import simulate_int2
 from oscar_core.statistics import observe_attention
 
@@ -191,14 +191,16 @@ def test_long_window_layer_holds_int2_and_decodes_as_simulated():
 
 
 def test_window_store_decodes_as_simulated():
-    """A window of 80 with a tile of INT2 rows beside the recent 3 is a window's store (no sink, 64 INT2 rows, 16 BF16
-    slots: layers.window_tokens): decoding past the window, each token's logits equal simulate's at its position,
-    and the cache holds exactly the window, its bytes whole from the first update."""
+    """A window of 80 with a tile of INT2 rows beside the recent 3 is a window's store (the sink of 1, 64 INT2 rows,
+    16 BF16 slots: layers.window_recent): decoding past the window, each token's logits equal simulate's at its
+    position (the sink token read while in the window), and the cache holds the window, its bytes whole from the
+    first update."""
     from oscar_core import kvstore
 
     model = tiny_sliding_model("mistral", 80)
     cache = OscarCache(None, "int2", config=model.config, sink_tokens=1, recent_tokens=3)
-    assert window_tokens(80, 1, 3) == (0, 16) and window_tokens(80, 1, 3, token_block=128) == (1, 3)
+    assert window_recent(80, 3) == 16 and window_recent(80, 3, token_block=128) == 3
+    assert window_recent(80, 3, stored=False) == 3 and window_recent(None, 3) == 3
     x = ids(1)
     with torch.inference_mode():
         out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=120,
@@ -210,8 +212,8 @@ def test_window_store_decodes_as_simulated():
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     for layer in cache.layers:
         assert layer.store.window == 80 and layer.int2_tokens() == 64 and layer.get_seq_length() == 120
-        assert layer.nbytes() == kvstore.store_nbytes(1, 80, layer.shape[0], head_dim, *layer.group_sizes,
-                                                      sink_tokens=0, recent_tokens=16) - 4
+        assert layer.nbytes() == kvstore.store_nbytes(1, 81, layer.shape[0], head_dim, *layer.group_sizes,
+                                                      sink_tokens=1, recent_tokens=16) - 4
     groups = dict(zip(("key_group_size", "value_group_size"), cache.layers[0].group_sizes))
     plan = memory_plan(len(cache.layers), cache.layers[0].shape[0], head_dim, 120, **groups, sink_tokens=1,
                        recent_tokens=3, windows=[80] * len(cache.layers))

@@ -145,12 +145,13 @@ def _query(q_ptr, rk_ptr, rows, cols, mask, h, D: tl.constexpr, ROTATE: tl.const
 
 @triton.jit
 def _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, h, length, q_row0,
-                 scale_log2, slot, wid, HG: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                 scale_log2, slot, wid, T, HG: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  QP: tl.constexpr, BLOCK_W: tl.constexpr, ROTATE: tl.constexpr, F32: tl.constexpr,
-                 TB: tl.constexpr, R: tl.constexpr):
+                 TB: tl.constexpr, R: tl.constexpr, SLIDE: tl.constexpr):
     """Attention over window tokens [wid·BLOCK_W, (wid+1)·BLOCK_W) of the BF16 sink + recent windows.
     TB > 1 (keys per channel, blocks of TB tokens): the ring of R slots holds positions S + n_int2 .. L − 1,
-    window token n_sink + i in slot (n_int2 + i) mod R."""
+    window token n_sink + i in slot (n_int2 + i) mod R. SLIDE: a window's store (N = W + T), whose sink tokens
+    before L − N have left the window."""
     r = tl.arange(0, QP)
     c = tl.arange(0, D)
     n_sink = tl.minimum(length, S)
@@ -165,6 +166,8 @@ def _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, 
         sink0 = bh.to(tl.int64) * S * D
         n = wid * BLOCK_W + tl.arange(0, BLOCK_W)
         valid = n < n_win
+        if SLIDE:
+            valid = valid & ((n >= n_sink) | (n >= length - W - T))
         in_sink = (n < n_sink)[:, None]
         off_s = sink0 + n[:, None] * D + c[None, :]
         if TB > 1:
@@ -178,6 +181,8 @@ def _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, 
         x = dot(q, tl.trans(k), None, F32) * scale_log2
         x = tl.where(valid[None, :], x, float("-inf"))
         m = tl.max(x, axis=1)
+        if SLIDE:       # a slice of sink tokens all out of the window: l = 0, as an empty one
+            m = tl.maximum(m, -1e30)
         # Normalize by the bf16 weights that multiply v, so a large common component of v cancels exactly.
         p = tl.exp2(x - m[:, None]).to(tl.bfloat16)
         l = tl.sum(p.to(tl.float32), axis=1)
@@ -471,7 +476,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, KEY_T: tl.constexpr,
                   USE_ASM: tl.constexpr, ROTATE: tl.constexpr, MERGE: tl.constexpr, HAS_MEAN: tl.constexpr,
                   F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, PDL: tl.constexpr,
-                  HOLE: tl.constexpr):
+                  HOLE: tl.constexpr, SLIDE: tl.constexpr):
     """Program (sid, bh): split sid of (sequence, KV head) bh; with MERGE the last of its NS programs to
     finish merges (else _reduce_kernel does, in a launch of its own). TB > 1: keys per channel over blocks
     of TB tokens, a ring of R slots (kvstore.Int2KVCache). PDL: launched as a programmatic dependent of the
@@ -487,7 +492,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
     slot = bh * NS + sid
     if sid < NW:
         _window_part(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, h, length, q_row0,
-                     scale_log2, slot, sid, HG, D, S, W, QP, BLOCK_W, ROTATE, F32, TB, R)
+                     scale_log2, slot, sid, T, HG, D, S, W, QP, BLOCK_W, ROTATE, F32, TB, R, SLIDE)
     else:
         # This sequence's INT2 rows over the n_int2_splits programs: chunks of whole tiles, at least min_chunk.
         n_int2 = tl.maximum(length - S - W, 0)
@@ -1118,7 +1123,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           HGP=hgp, QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16),
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
                           F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1,
-                          VT=cache.value_tiles, PDL=pdl, HOLE=hole(cache), num_warps=num_warps,
+                          VT=cache.value_tiles, PDL=pdl, HOLE=hole(cache), SLIDE=cache.window is not None,
+                          num_warps=num_warps,
                           num_stages=num_stages, **launch),
         gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
         gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
