@@ -32,7 +32,8 @@ from oscar_core.triton import decode, decode_gluon
 
 shape, cubin = json.loads(sys.argv[1]), sys.argv[2]
 fn = decode_gluon._int2_split_kernel
-const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128, VT=False, PDL=True), **shape)
+const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128, VT=False, PDL=True, SLIDE=False, HOLE=False),
+             **shape)
 const["MASK_ALL"] = decode.mask_every_tile(const["D"], const["R4"], const["NGV"], const.get("VT", False))
 const["KEYS_AHEAD"] = decode.keys_ahead(const["D"], const["R4"], const["TB"], const["NGK"], const.get("VT", False))
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
@@ -81,6 +82,10 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=1, TB=64, D=64, VT=True),
     dict(HKV=1, HG=4, R4=4, STAGES=0, NGK=4, NGV=4, TB=1, D=256, VT=True, stack=8),
     dict(HG=2, R4=4, STAGES=0, NGK=1, NGV=4, TB=64, D=256, VT=True, stack=24),
+    # Window stores (kvstore.window_cache): Gemma 3 12B's sliding layers, keys per token and per channel (the hole's
+    # mask: 8 bytes of stack more than the global layer's program here).
+    dict(HG=2, R4=4, STAGES=0, NGK=4, NGV=4, TB=1, D=256, VT=True, SLIDE=True, stack=24),
+    dict(HG=2, R4=4, STAGES=0, NGK=1, NGV=4, TB=64, D=256, VT=True, SLIDE=True, HOLE=True, stack=32),
 ]
 
 

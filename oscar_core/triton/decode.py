@@ -732,7 +732,8 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
                 BLOCK_N=64, STAGES=_gluon().STAGES if ring else 0, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
                 D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv, tiles),
-                KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles, HOLE=hole(cache))
+                KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles, SLIDE=cache.window is not None,
+                HOLE=hole(cache))
 
 
 def hole(cache: Int2KVCache) -> bool:

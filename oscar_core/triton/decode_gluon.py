@@ -389,7 +389,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
                        MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr,
-                       PDL: gl.constexpr = False, HOLE: gl.constexpr = False):
+                       PDL: gl.constexpr = False, SLIDE: gl.constexpr = False, HOLE: gl.constexpr = False):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -404,8 +404,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     masked to the program's rows; otherwise only those of its last tile, the one that can run past them (a
     warp-uniform branch). KEYS_AHEAD: each tile's key words are loaded during the tile before (loop-carried), so
     the first key product does not wait on memory. PDL: launched as a programmatic dependent of the query
-    rotation (or, on one stream, the window programs): q̃ is read after _grid_wait. HOLE: a window's store with
-    keys per channel, whose expired rows (decode.expired_rows) are masked in the tiles that hold them."""
+    rotation (or, on one stream, the window programs): q̃ is read after _grid_wait. SLIDE: a window's store, its
+    rows a ring of T (kvstore.window_cache); HOLE: one with keys per channel, whose expired rows
+    (decode.expired_rows) are masked in the tiles that hold them."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -430,12 +431,15 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     b = bh // HKV
     length = gl.load(len_ptr + b)
     slot = bh * NS + sid
-    n_full = gl.maximum(length - S - W, 0) // TB * TB
-    n_int2 = gl.minimum(n_full, T)     # T: a window's ring of rows
-    if HOLE:
-        base = gl.maximum(n_full - T, 0)
-        hole_lo = base % T
-        hole_hi = hole_lo + gl.maximum(length - S - W - T - base, 0)
+    n_int2 = gl.maximum(length - S - W, 0) // TB * TB
+    hole_lo = 0
+    hole_hi = 0
+    if SLIDE:
+        if HOLE:
+            base = gl.maximum(n_int2 - T, 0)
+            hole_lo = base % T
+            hole_hi = hole_lo + gl.maximum(length - S - W - T - base, 0)
+        n_int2 = gl.minimum(n_int2, T)     # the ring's T rows hold its last T INT2 tokens
     chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
     chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
     start = (sid - NW) * chunk

@@ -42,9 +42,10 @@ block's slots are not reused before it has left). Appends longer than W are the 
 Value codes in 64-row tiles (a store whose value_layout is "tiles", kvstore.Int2KVCache): every writer stores a
 row's value bytes through code_offsets, each 16-bit half into its tile's slot; key codes keep their rows.
 
-A window's store (kvstore.window_cache, RING; keys per token, no sink): INT2 token i goes to row i mod T, and only the
-tokens of the last W + T positions are written (one of a prefill's INT2 tiles starts at the first of its last T
-tokens; an append skips an evicted or direct token older than that), so no two tokens of a launch share a row.
+A window's store (kvstore.window_cache, RING): INT2 token i goes to row i mod T (keys per channel: key block j to row
+block j mod T/G), and only the tokens of its last N = W + T positions are written (a prefill's INT2 tiles or key
+blocks start at the first of its last T INT2 tokens; an append skips an evicted or direct token older than that;
+leave_blocks writes the last T/G blocks), so no two tokens of a launch share a row.
 
 Channels a program (columns): each program rotates and quantizes C channels of its tokens, y[:, c0:c0 + C] =
 (x − μ)·R[:, c0:c0 + C], holding those columns of R; C is the whole head up to head_dim 128 and 128 at 256, where
@@ -275,7 +276,7 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
                  DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, TILED: tl.constexpr, RING: tl.constexpr):
     """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h, its channels [c0, c0 + C)
     (module docstring); R ring slots (W, or W + G for keys per channel); TILED: codes in 64-row tiles
-    (code_offsets); RING: a window's store (INT2 token i in row i mod T; tokens before the last W + T skipped)."""
+    (code_offsets); RING: a window's store (INT2 token i in row i mod T; tokens before the last N = W + T skipped)."""
     NG: tl.constexpr = D // G
     c = tl.arange(0, D)
     cc = c0 + tl.arange(0, C)
