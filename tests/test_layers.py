@@ -168,22 +168,30 @@ def test_int2_cache_keeps_rings_and_decodes_the_global_layer():
     assert filled.layers[0].keys.shape[2] == WINDOW - 1 and filled.layers[1].int2_tokens() == 30 - 2 - 4
 
 
+def generated_and_simulated(model, cache, new_tokens: int):
+    """Greedy decoding of `new_tokens` after one token through `cache` ("int2", sink 1, recent 3): the sequence, each
+    decoded token's logits, and simulate's teacher-forced logits at those positions."""
+    x = ids(1)
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        with simulate_int2(model, "int2", sink_tokens=1, recent_tokens=3):
+            simulated = model(out.sequences[:, :-1]).logits[0]
+    return out.sequences, torch.stack(out.logits, 1)[0], simulated
+
+
 def test_long_window_layer_holds_int2_and_decodes_as_simulated():
-    """A window longer than 2·(sink + recent) holds INT2 (an OscarLayer trimmed to its last W − 1 tokens): each
-    decoded token's logits equal simulate's teacher-forced logits at that position."""
+    """A window longer than 2·(sink + recent) but too short for a tile of INT2 rows beside the recent ones holds INT2
+    in SideStores trimmed to its last W − 1 tokens: each decoded token's logits equal simulate's teacher-forced
+    logits at that position."""
     model = tiny_sliding_model("mistral", 12)
     cache = OscarCache(None, "int2", config=model.config, sink_tokens=1, recent_tokens=3)
     assert all(isinstance(layer, OscarLayer) and layer.window == 12 for layer in cache.layers)
-    x = ids(1)
-    with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=30,
-                             min_new_tokens=30, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        decoded = torch.stack(out.logits, 1)[0]
-        with simulate_int2(model, "int2", sink_tokens=1, recent_tokens=3):
-            simulated = model(out.sequences[:, :-1]).logits[0]
+    sequences, decoded, simulated = generated_and_simulated(model, cache, 30)
     assert torch.allclose(decoded, simulated, atol=1e-4)
     with torch.inference_mode():
-        exact = model(out.sequences[:, :-1]).logits[0]
+        exact = model(sequences[:, :-1]).logits[0]
     assert not torch.allclose(decoded, exact, atol=1e-3)   # INT2 was read
     for layer in cache.layers:                            # the last 11 tokens: 3 recent in BF16, 8 INT2
         assert layer.get_seq_length() == 30 and layer.key_store.held() == 11 and layer.key_store.n_int2 == 8
@@ -201,13 +209,7 @@ def test_window_store_decodes_as_simulated():
     cache = OscarCache(None, "int2", config=model.config, sink_tokens=1, recent_tokens=3)
     assert window_recent(80, 3) == 16 and window_recent(80, 3, token_block=128) == 3
     assert window_recent(80, 3, stored=False) == 3 and window_recent(None, 3) == 3
-    x = ids(1)
-    with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=120,
-                             min_new_tokens=120, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        decoded = torch.stack(out.logits, 1)[0]
-        with simulate_int2(model, "int2", sink_tokens=1, recent_tokens=3):
-            simulated = model(out.sequences[:, :-1]).logits[0]
+    _, decoded, simulated = generated_and_simulated(model, cache, 120)
     assert torch.allclose(decoded, simulated, atol=1e-4)
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     for layer in cache.layers:
