@@ -5,7 +5,8 @@ head_dim 128, bf16) is built on the GPU from a config (no download), and an OSCA
 orthogonal rotations, means and clips stands in for a calibrated one (the kernels do the same work).
 --model Qwen3-32B: GQA 8; --model Gemma3-12B: head_dim 256, 40 of its 48 layers sliding over 1,024 tokens (the
 INT2 arms hold those in window stores, kvstore.window_cache; bf16-flash in FlashRing below; bf16-static, in transformers'
-static sliding layers, fails at capture).
+static sliding layers, fails at capture); --model Gemma3-1B: 4 query heads on one KV head, 22 of its 26 layers
+sliding over 512 tokens, kept whole in BF16 (window stores with no INT2 rows).
 Arms, every one in this run, at each (context, batch) point:
   bf16-dynamic   transformers DynamicCache, eager decode steps
   bf16-static    transformers StaticCache, each decode step one CUDA-graph replay (transformers' sdpa path:
@@ -54,11 +55,17 @@ SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 SHAPES = {"Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, layers=36),
           "Qwen3-32B": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, layers=64),
           "Gemma3-12B": dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, layers=48,
-                             head_dim=256, sliding_window=1024)}
+                             head_dim=256, sliding_window=1024),
+          "Gemma3-1B": dict(hidden_size=1152, intermediate_size=6912, num_attention_heads=4, kv_heads=1, layers=26,
+                            head_dim=256, sliding_window=512)}
 
 
 def head_dim(name: str) -> int:
     return SHAPES[name].get("head_dim", 128)
+
+
+def kv_heads(name: str) -> int:
+    return SHAPES[name].get("kv_heads", 8)
 
 
 def qwen3_model(layers: int, name: str = "Qwen3-8B"):
@@ -66,10 +73,10 @@ def qwen3_model(layers: int, name: str = "Qwen3-8B"):
     Gemma 3's text model)."""
     import transformers as tf
 
-    shape = {k: v for k, v in SHAPES[name].items() if k not in ("layers", "head_dim", "sliding_window")}
+    shape = {k: v for k, v in SHAPES[name].items() if k not in ("layers", "head_dim", "sliding_window", "kv_heads")}
     if name.startswith("Gemma3"):
         types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
-        config = tf.Gemma3TextConfig(**shape, num_hidden_layers=layers, num_key_value_heads=8, head_dim=256,
+        config = tf.Gemma3TextConfig(**shape, num_hidden_layers=layers, num_key_value_heads=kv_heads(name), head_dim=256,
                                      sliding_window=SHAPES[name]["sliding_window"], layer_types=types,
                                      query_pre_attn_scalar=256, vocab_size=262208, max_position_embeddings=131072)
     else:
@@ -110,11 +117,11 @@ def random_bundle(layers: int, kv_heads: int = 8, d: int = 128, key_axis: str = 
     return SimpleNamespace(manifest=manifest, layer=lambda i, name: tensors.get((i, name)), key_axis=lambda i: key_axis)
 
 
-def random_kv(batch: int, context: int, seed: int = 0, d: int = 128):
-    """Post-RoPE-like keys and values [B, 8, context, d] bf16: one sequence's data, the batch a broadcast view."""
+def random_kv(batch: int, context: int, seed: int = 0, d: int = 128, kv_heads: int = 8):
+    """Post-RoPE-like keys and values [B, H_kv, context, d] bf16: one sequence's data, the batch a broadcast view."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    k = torch.randn(8, context, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(8, context, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(kv_heads, context, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(kv_heads, context, d, generator=gen, device="cuda", dtype=torch.bfloat16)
     return k[None].expand(batch, -1, -1, -1), v[None].expand(batch, -1, -1, -1)
 
 
@@ -123,7 +130,7 @@ def make_cache(arm: str, model, bundle, batch: int, context: int, steps: int):
     from transformers import DynamicCache, StaticCache
 
     layers = model.config.num_hidden_layers
-    k, v = random_kv(batch, context, d=model.config.head_dim)
+    k, v = random_kv(batch, context, d=model.config.head_dim, kv_heads=model.config.num_key_value_heads)
     if arm == "bf16-dynamic":
         cache = DynamicCache()
         for i in range(layers):
@@ -330,7 +337,7 @@ def main():
     t0 = time.perf_counter()
     model = qwen3_model(args.layers, args.model)
     windows = layer_windows(model.config)
-    bundle = random_bundle(args.layers, d=head_dim(args.model), key_axis=args.key_axis,
+    bundle = random_bundle(args.layers, kv_heads(args.model), head_dim(args.model), key_axis=args.key_axis,
                            heads=SHAPES[args.model]["num_attention_heads"], windows=windows)
     weights = torch.cuda.memory_allocated()
     res = dict(model=args.model, key_axis=args.key_axis, value_layout=args.value_layout, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
@@ -358,7 +365,7 @@ def main():
             res["points"].append(run_point(model, bundle, arm, batch, context, args.steps))
     # The largest batch at this context that fits beside the weights (2 GiB kept for activations and work).
     budget = props.total_memory - weights - 2 * GIB
-    plan = memory_plan(args.layers, 8, head_dim(args.model), args.max_batch_context + args.steps + 16, budget,
+    plan = memory_plan(args.layers, kv_heads(args.model), head_dim(args.model), args.max_batch_context + args.steps + 16, budget,
                        windows=[(windows or {}).get(i) for i in range(args.layers)])
     res["plan"] = plan | dict(budget_gib=budget / GIB)
     print(json.dumps(res["plan"]), flush=True)

@@ -65,7 +65,9 @@ def main():
     layers = args.layers or serve.SHAPES[args.model]["layers"]
     context, batch = args.point
     model = serve.qwen3_model(layers, args.model)
-    bundle = serve.random_bundle(layers, key_axis=args.key_axis, heads=serve.SHAPES[args.model]["num_attention_heads"])
+    bundle = serve.random_bundle(layers, serve.kv_heads(args.model), serve.head_dim(args.model), key_axis=args.key_axis,
+                                 heads=serve.SHAPES[args.model]["num_attention_heads"],
+                                 windows=serve.layer_windows(model.config))
     props = torch.cuda.get_device_properties(0)
     lines = [f"# Kernel time per decode step by kernel ({props.name})", "",
              f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; "

@@ -21,15 +21,18 @@ A hybrid model's layers without a KV cache (linear attention, Mamba: models.atte
 rotation.layers) hold transformers' LinearAttentionLayer (their convolution and recurrent states, exact); the
 first OscarLayer advances the shared sequence lengths.
 
-Sliding layers (layers.LayerSpec.window = N: a query sees its own token and the N − 1 before it). One whose
-window is too short for INT2 to pay (layers.holds_int2), or any sliding layer of the bf16 method, is a RingLayer:
+Sliding layers (layers.LayerSpec.window = N: a query sees its own token and the N − 1 before it). Any sliding layer
+of the bf16 method, and of kivi one whose window is too short for INT2 to pay (layers.holds_int2), is a RingLayer:
 the last N − 1 tokens in BF16, as transformers' DynamicSlidingWindowLayer keeps them (and sizes the mask from).
-A longer window holds INT2 in an OscarLayer whose store is kvstore.window_cache: the sink, a BF16 ring of W' and a
+Every other sliding layer is an OscarLayer whose store is kvstore.window_cache: the sink, a BF16 ring of W' and a
 ring of T INT2 rows (W' + T = N, window_split), which hold the last N tokens of each sequence past the sink, so the
 decode kernel reads it as it reads a global layer's (skipping the sink tokens once out of the window, and with keys
 per channel up to G − 1 tokens of the oldest block held) and the Triton writes write it; fixed in size from its
-first update. Its torch reads give the last N − 1 tokens (the mask's size, as DynamicSlidingWindowLayer). A window too short for one tile of INT2 rows (and key blocks) keeps SideStores (sink, INT2, recent, as
-methods.py stores them) trimmed to the last N − 1 tokens after every update, read by torch.
+first update. A short window, kept whole in BF16, is such a store with T = 0, W' = N and no rotation, so that it
+too is read by the kernel and captured in CUDA graphs. Its torch reads give the last N − 1 tokens (the mask's
+size, as DynamicSlidingWindowLayer). A window that holds INT2 but is too short for one tile of INT2 rows (and key
+blocks) keeps SideStores (sink, INT2, recent, as methods.py stores them) trimmed to the last N − 1 tokens after
+every update, read by torch.
 
 update() follows the serving convention: a single decoded token is written first and then attends to
 what the store holds; the tokens of a multi-token update (prefill, or a prefill chunk) attend to the
@@ -183,10 +186,11 @@ class OscarLayer(DynamicLayer):
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
                  query_heads: int | None = None, window: int | None = None,
-                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT):
+                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT, int2: bool = True):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.window = window        # a sliding layer's window: a window_cache, or SideStores trimmed to it
+        self.int2 = int2            # False: a window kept whole in BF16 (layers.holds_int2), a store with no INT2 rows
         self.is_sliding = window is not None
         self.query_heads = query_heads
         self.sink_tokens, self.recent_tokens = sink, recent
@@ -209,9 +213,11 @@ class OscarLayer(DynamicLayer):
             if (m.num_kv_heads, m.head_dim) != (kv_heads, head_dim):
                 raise OscarError(f"bundle {self.bundle.manifest.name} is for {m.num_kv_heads} KV heads of dim "
                                  f"{m.head_dim}; this model has {kv_heads} of dim {head_dim}")
-        lm = methods.layer_method(self.method, self.layer_idx, kv_heads, head_dim, self.bundle)
+        # A window kept in BF16 has no rotation in the bundle: stored as it comes (identity, no mean).
+        lm = methods.layer_method(self.method if self.int2 else "int2", self.layer_idx, kv_heads, head_dim,
+                                  self.bundle)
         problem = store_problem(lm, self.method)
-        if problem is None and self.window is not None:
+        if problem is None and self.window is not None and self.int2:
             problem = window_problem(lm, self.window, self.recent_tokens)
         self.kernel_problem = problem or kernel_problem(lm, kv_heads, head_dim, self.query_heads, self.method)
         if problem is None:
@@ -254,7 +260,7 @@ class OscarLayer(DynamicLayer):
             if self.store is None:
                 self.store = kvstore.window_cache(batch, *self.shape, self.window, *self.group_sizes,
                                                   self.sink_tokens, self.recent_tokens, self.device,
-                                                  self.value_layout, self.key_axis)
+                                                  self.value_layout, self.key_axis, self.int2)
                 self.store.lengths = self.sequences.lengths
             return
         cap = self.sequences.capacity
@@ -398,7 +404,8 @@ class OscarLayer(DynamicLayer):
         if self.key_store is not None:
             return self.key_store.n_int2
         if self.window is not None:
-            rows, ring = kvstore.window_split(self.window, self.recent_tokens, self.token_block)
+            rows, ring = kvstore.window_split(self.window, self.recent_tokens, self.token_block) if self.int2 \
+                else (0, self.window)
             return min(max(self.seen - self.sink_tokens - ring, 0) // self.token_block * self.token_block, rows)
         return max(self.seen - self.sink_tokens - self.recent_tokens, 0) // self.token_block * self.token_block
 
@@ -455,11 +462,14 @@ class OscarCache(Cache):
         else:
             query_heads = config.get_text_config().num_attention_heads if config is not None else None
             specs = layer_specs(config) if config is not None else [LayerSpec()] * num_layers
-        ring = [s.window is not None and (method == "bf16" or not holds_int2(s, sink, recent)) for s in specs]
+        short = [s.window is not None and not holds_int2(s, sink, recent) for s in specs]
+        # Sliding layers of the methods without a store (bf16; kivi's short windows) are BF16 rings.
+        ring = [(s.window is not None and method == "bf16") or (short[i] and method == "kivi")
+                for i, s in enumerate(specs)]
         super().__init__(layers=[
             state_layer() if not s.kv_cache else RingLayer(s.window) if ring[i] else
             OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, window=s.window,
-                       value_layout=value_layout)
+                       value_layout=value_layout, int2=not short[i])
             for i, s in enumerate(specs[:num_layers])])
 
     def reset(self) -> None:
@@ -470,7 +480,7 @@ class OscarCache(Cache):
     @property
     def kv_layers(self) -> list["OscarLayer"]:
         """The layers holding keys and values by the method (all of them but a hybrid model's linear-attention or
-        Mamba layers and the BF16 rings of short sliding windows)."""
+        Mamba layers and the RingLayers)."""
         return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
 
     @property
@@ -575,8 +585,8 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     key_axes: each layer's key axis ("token" or "channel", Bundle.key_axis; None: all "token"); a
     channel layer's store holds a ring of W + G slots and rows in whole blocks of G (kvstore.store_nbytes).
     windows: each layer's sliding window (None: global attention), e.g. [s.window for s in layer_specs(config)];
-    a layer whose window holds no INT2 (layers.holds_int2) counts as what its RingLayer allocates, min(context, N)
-    BF16 tokens (N − 1 kept, and the decoded one), in both caches; a longer window as its kvstore.window_cache (or,
+    a layer whose window holds no INT2 (layers.holds_int2) counts as its window store with no INT2 rows (S + N BF16
+    tokens) and, in the BF16 cache, as a RingLayer's min(context, N); a longer window as its kvstore.window_cache (or,
     too short for a tile of rows, a store of min(context, N) tokens: SideStores).
     bytes_per_token: one INT2 token of every INT2 layer (codes, scale and zero codes, K and V);
     bytes_per_sequence: a whole store of `context` tokens (capacity) in every layer, BF16 windows
@@ -602,7 +612,9 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
             return store(1, tokens, [axis])
         return store(1, sink_tokens + window, [axis], sink_tokens, ring_slots)
 
-    per_seq = sum(layer_store(*h) for h in held) + ring_bytes
+    bf16_windows = sum(kvstore.store_nbytes(1, sink_tokens + w, kv_heads, head_dim, key_group_size,
+                                            value_group_size, sink_tokens, w, rows=0) for w, r in zip(windows, ring) if r)
+    per_seq = sum(layer_store(*h) for h in held) + bf16_windows
     bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens, _, _ in held) + ring_bytes
     # Rows are allocated in whole blocks: one block's bytes over its rows.
     block = kvstore.ROW_BLOCK if "channel" not in int2_axes else math.lcm(kvstore.ROW_BLOCK, key_group_size)

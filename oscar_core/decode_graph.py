@@ -98,8 +98,9 @@ class GreedyDecoder:
             raise OscarError("a padded batch decodes in a CUDA graph only through an OscarCache read by kernel "
                              "(on CUDA, inside oscar_attention)")
         if self.oscar and (self.cache.ring_layers or any(layer.key_store is not None for layer in self.cache.kv_layers)):
-            raise OscarError("a model with sliding windows in BF16 rings or SideStores (windows too short for a tile "
-                             "of INT2 rows, the kivi baseline) decodes eagerly: those are not captured in a CUDA graph")
+            raise OscarError("a model with sliding windows in BF16 rings or SideStores (the bf16 and kivi methods, "
+                             "INT2 windows too short for a tile of rows) decodes eagerly: those are not captured in a "
+                             "CUDA graph")
         if self.oscar:
             self.cache.sequences.static = True
         side = torch.cuda.Stream()

@@ -73,7 +73,8 @@ class Int2KVCache:
     row i mod T, and T + W = N. The W ring slots and the min(n_int2, T) rows in use then hold a sequence's last N
     tokens past the sink, every older one overwritten: the window a query sees once it is written (its own token
     and the N − 1 before it), but for the sink tokens that have left it (p < L − N, which reads skip) and, with
-    keys per channel, up to G − 1 tokens of the oldest block held (first_live, which reads skip too).
+    keys per channel, up to G − 1 tokens of the oldest block held (first_live, which reads skip too). A window kept
+    whole in BF16 has T = 0 and W = N: every token it still sees is in the sink or the ring.
 
     value_layout "tiles" (the default; "rows" is the layout above) changes where value_codes keeps its bytes: each
     tile of 64 rows (rows 64k .. 64k + 63 of one sequence and KV head, the same bytes as in "rows") holds its
@@ -204,14 +205,14 @@ def int2_rows(capacity: int, sink_tokens: int = SINK_TOKENS, recent_tokens: int 
 def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_group_size: int = 64,
                 value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
                 device: str | torch.device = "cpu", key_axis: str = "token",
-                value_layout: str = DEFAULT_VALUE_LAYOUT) -> Int2KVCache:
-    """An empty store for up to `capacity` tokens per sequence (INT2 rows: int2_rows); key_axis "channel":
-    keys per channel over blocks of key_group_size tokens; value_layout "tiles": value codes in 64-row tiles
-    (the class docstring)."""
+                value_layout: str = DEFAULT_VALUE_LAYOUT, rows: int | None = None) -> Int2KVCache:
+    """An empty store for up to `capacity` tokens per sequence (INT2 rows: int2_rows, or `rows`); key_axis
+    "channel": keys per channel over blocks of key_group_size tokens; value_layout "tiles": value codes in 64-row
+    tiles (the class docstring)."""
     if value_layout not in VALUE_LAYOUTS:
         raise ValueError(f"value_layout must be one of {VALUE_LAYOUTS}, not {value_layout!r}")
     block = key_group_size if key_axis == "channel" else 1
-    rows = int2_rows(capacity, sink_tokens, recent_tokens, block)
+    rows = int2_rows(capacity, sink_tokens, recent_tokens, block) if rows is None else rows
     ring = recent_tokens + (block if key_axis == "channel" else 0)
 
     def bf16(n):
@@ -247,15 +248,19 @@ def window_split(window: int, recent_tokens: int = RECENT_TOKENS, token_block: i
 def window_cache(batch: int, kv_heads: int, head_dim: int, window: int, key_group_size: int = 64,
                  value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
                  device: str | torch.device = "cpu", value_layout: str = DEFAULT_VALUE_LAYOUT,
-                 key_axis: str = "token") -> Int2KVCache:
+                 key_axis: str = "token", int2: bool = True) -> Int2KVCache:
     """An empty store of a sliding layer whose queries see `window` tokens (their own included): the sink, a BF16
     ring of W slots (W + G with keys per channel) and a ring of T INT2 rows, (T, W) = window_split (the class
-    docstring)."""
-    rows, ring = window_split(window, recent_tokens, key_group_size if key_axis == "channel" else 1)
-    if rows == 0:
+    docstring). int2=False: a window kept whole in BF16 (layers.holds_int2), T = 0 and W = N: no token is ever
+    quantized, and the decode kernel reads it as a store whose INT2 rows are all gone."""
+    if not int2 and key_axis != "token":
+        raise ValueError("a window kept in BF16 has no key blocks: key_axis must be 'token'")
+    rows, ring = window_split(window, recent_tokens, key_group_size if key_axis == "channel" else 1) if int2 \
+        else (0, window)
+    if rows == 0 and int2:
         raise ValueError(f"a window of {window} tokens holds no INT2 tile beside {recent_tokens} BF16 tokens")
     cache = empty_cache(batch, kv_heads, head_dim, sink_tokens + window, key_group_size, value_group_size,
-                        sink_tokens, ring, device, key_axis=key_axis, value_layout=value_layout)
+                        sink_tokens, ring, device, key_axis=key_axis, value_layout=value_layout, rows=rows)
     cache.window = window
     return cache
 
@@ -472,13 +477,13 @@ def sequence_kv(cache: Int2KVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def store_nbytes(batch: int, capacity: int, kv_heads: int, head_dim: int, key_group_size: int = 64,
                  value_group_size: int = 64, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
-                 key_axis: str = "token") -> int:
-    """Bytes of empty_cache(batch, kv_heads, head_dim, capacity, ...): BF16 windows, INT2 rows, lengths.
+                 key_axis: str = "token", rows: int | None = None) -> int:
+    """Bytes of empty_cache(batch, kv_heads, head_dim, capacity, ..., rows): BF16 windows, INT2 rows, lengths.
     Keys per channel: scale and zero codes of d channels per block of G rows (as many bytes a row as d/G
     groups a row when G divides d), a ring of W + G slots, rows in whole blocks of G."""
     channel = key_axis == "channel"
     block = key_group_size if channel else 1
-    rows = int2_rows(capacity, sink_tokens, recent_tokens, block)
+    rows = int2_rows(capacity, sink_tokens, recent_tokens, block) if rows is None else rows
     windows = 2 * (sink_tokens + recent_tokens + (block if channel else 0)) * head_dim * 2
     key_meta = 2 * (rows // block) * head_dim if channel else 2 * rows * (head_dim // key_group_size)
     per_row = 2 * (head_dim // 4) + 2 * (head_dim // value_group_size)

@@ -194,13 +194,12 @@ def test_graph_replay_equals_eager_steps():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_replays_window_stores():
-    """A model with sliding layers whose windows are window stores (Gemma 3: 100 tokens, 64 INT2 rows) decodes in
-    CUDA-graph replays, past the window, the tokens of the same steps run eagerly; BF16 rings still refuse."""
+    """A model with sliding layers whose windows are window stores (Gemma 3: 100 tokens, 64 INT2 rows; 8 tokens kept
+    in BF16, no rows) decodes in CUDA-graph replays, past the window, the tokens of the same steps run eagerly."""
     import transformers as tf
 
     from oscar_core.decode_graph import greedy_generate
 
-    out = []
     for window in (100, 8):
         config = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=3,
                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
@@ -212,17 +211,16 @@ def test_graph_replays_window_stores():
         ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(9)).to(DEVICE)
         mask = torch.ones_like(ids)
         mask[1, :30] = 0
+        out = []
         for graph in (False, True):
             cache = OscarCache(None, "int2", config=config, sink_tokens=4, recent_tokens=16)
-            if window == 8 and graph:
-                with pytest.raises(OscarError, match="decodes eagerly"):
-                    greedy_generate(model, cache, ids, mask, max_new_tokens=24, graph=True)
-                continue
             cache.sequences.static = not graph
             out.append(greedy_generate(model, cache, ids, mask, max_new_tokens=24, graph=graph))
-        if window == 100:
-            assert cache.layers[0].store.window == 100 and cache.layers[0].store.lengths.tolist() == [113, 83]
-    assert torch.equal(out[0], out[1])
+        assert cache.layers[0].store.window == window and cache.layers[0].store.lengths.tolist() == [113, 83]
+        assert torch.equal(out[0], out[1]), window
+    bf16 = OscarCache(None, "bf16", config=config)
+    with pytest.raises(OscarError, match="decodes eagerly"):     # BF16 rings (RingLayer)
+        greedy_generate(model, bf16, ids, torch.ones_like(mask), max_new_tokens=4, graph=True)
 
 
 def test_kernel_reads_fall_back():
@@ -281,7 +279,7 @@ def test_append_kernel_matches_reference():
         # The same float32 rotation computed two ways, rounded to bf16 (the interpreter truncates):
         # within one bf16 step, plus a small absolute slack where the rotated value nearly cancels.
         assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-3).all(), name
-    for side in ("key", "value"):
+    for side in ("key", "value") if ref.key_codes.shape[2] else ():
         codes = [quant.unpack_int2(getattr(c, f"{side}_codes")).cpu().int() for c in (got, ref)]
         assert (codes[0] == codes[1]).float().mean() > 0.98
         assert (codes[0] - codes[1]).abs().max() <= 1                   # never more than one code step
@@ -393,7 +391,7 @@ def assert_store_matches(got, ref, codes_equal=0.98, meta_equal=0.97):
     for name in ("key_sink", "value_sink", "key_recent", "value_recent"):
         a, b = getattr(got, name).float().cpu(), getattr(ref, name).float()
         assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-3).all(), name
-    for side in ("key", "value"):
+    for side in ("key", "value") if ref.key_codes.shape[2] else ():
         codes = [quant.unpack_int2(getattr(c, f"{side}_codes")).cpu().int() for c in (got, ref)]
         assert (codes[0] == codes[1]).float().mean() > codes_equal, side
         assert (codes[0] - codes[1]).abs().max() <= 1, side
@@ -402,21 +400,22 @@ def assert_store_matches(got, ref, codes_equal=0.98, meta_equal=0.97):
             assert (a == b).float().mean() > meta_equal and (a - b).abs().max() <= 1, (side, name)
 
 
-@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("axis", ["token", "channel", "bf16"])
 def test_window_store_kernels_match_reference(axis):
     """A window's store (kvstore.window_cache, a sink of 4): prefill_kv of a left-padded batch longer than the window,
     decode steps and chunks through the Triton writes, each wrapping the INT2 rows, against kvstore.append; then
     the decode kernel on that store against the reference, which reads exactly the last N tokens of each sequence
     (test_kvstore). Keys per token: N = 120, 64 rows and 56 BF16 slots, a chunk longer than the ring. Keys per
     channel (blocks of 64, leave_blocks then append_kv): N = 250, 192 rows and a ring of 58 + 64 slots, so the
-    oldest block held keeps up to 63 rows the decode programs skip."""
+    oldest block held keeps up to 63 rows the decode programs skip. A window kept whole in BF16 ("bf16": no rows, a
+    ring of 120): the writes fill only the sink and the ring, and the decode's window programs read it alone."""
     gen = torch.Generator().manual_seed(120)
     bsz, heads, d = 3, 2, 64
     layer, on, kr, vr = two_head_layer(gen, heads, d)
-    window, kw = (250, dict(key_axis="channel")) if axis == "channel" else (120, {})
+    window, kw = {"token": (120, {}), "channel": (250, dict(key_axis="channel")), "bf16": (120, dict(int2=False))}[axis]
     ref = kvstore.window_cache(bsz, heads, d, window, 64, 64, 4, 8, **kw)
     got = kvstore.window_cache(bsz, heads, d, window, 64, 64, 4, 8, device=DEVICE, **kw)
-    assert (got.recent_tokens, got.key_codes.shape[2]) == ((58, 192) if axis == "channel" else (56, 64))
+    assert (got.recent_tokens, got.key_codes.shape[2]) == {"token": (56, 64), "channel": (58, 192), "bf16": (120, 0)}[axis]
 
     def append(n, starts=None, prefill=False):
         k = (torch.randn(bsz, heads, n, d, generator=gen) * 2).bfloat16()
@@ -544,7 +543,7 @@ def test_channel_key_write_kernels_match_reference():
     for name in ("key_sink", "value_sink", "key_recent", "value_recent"):
         a, b = getattr(got, name).float().cpu(), getattr(ref, name).float()
         assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-3).all(), name
-    for side in ("key", "value"):
+    for side in ("key", "value") if ref.key_codes.shape[2] else ():
         codes = [quant.unpack_int2(getattr(c, f"{side}_codes")).cpu().int() for c in (got, ref)]
         assert (codes[0] == codes[1]).float().mean() > 0.98
         assert (codes[0] - codes[1]).abs().max() <= 1
@@ -613,7 +612,9 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
 def test_kernel_reads_beside_sliding_layers(head_dim, window, axis):
     """Gemma 3 (layers 0 and 2 slide, layer 1 global, INT2; its own head_dim, 256, too): inside oscar_attention the
     global layer is written and decoded by the kernels, in a left-padded batch, against each sequence decoded alone
-    through torch writes and reads. Windows of 8 are BF16 rings; one of 48, over 2·(sink + recent) = 40 but short of
+    through torch writes and reads. Windows of 8 are kept whole in BF16 (window stores with no INT2 rows: the sink
+    and a ring of 8, which the kernels write and read, the sink masked once out of the window); one of 48, over
+    2·(sink + recent) = 40 but short of
     a tile of INT2 rows beside the ring, holds INT2 in the sliding layers' SideStores, read by torch, and the global
     layer still counts the sequences' tokens; one of 100 is a window's store (64 INT2 rows, 36 BF16 slots), which
     the kernels write and read too (no mask), with prompts longer than the window (its rows wrap); with a bundle's
@@ -641,21 +642,22 @@ def test_kernel_reads_beside_sliding_layers(head_dim, window, axis):
 
     by_kernel = cache(True)
     calls = []
-    for i in (1, 2) if window == 100 else (1,):      # the global layer, and a window's store
+    for i in (1, 2) if window in (8, 100) else (1,):      # the global layer, and a window's store
         real = by_kernel.layers[i].decode_attention
         by_kernel.layers[i].decode_attention = lambda *a, i=i, real=real: calls.append(i) or real(*a)
     with oscar_attention(model, by_kernel):
         got = decode_logits(model, by_kernel, ids, steps=3, mask=mask)
         every = by_kernel.reads_by_kernel()     # then decode steps build no mask
     if window == 8:
-        assert by_kernel.layers[0].keys.shape[2] == 7       # a BF16 ring of W - 1
+        store = by_kernel.layers[0].store
+        assert store.key_codes.shape[2] == 0 and store.ring_slots == 8 and store.sink_tokens == 4 and every
     elif window == 48:
         assert by_kernel.layers[0].key_store is not None and by_kernel.layers[0].window == window
     else:
         assert by_kernel.layers[0].store.window == window and every
         assert by_kernel.layers[0].write is not None and by_kernel.layers[0].store.int2_tokens().tolist() == [64, 64]
         assert by_kernel.layers[0].store.key_axis == axis
-    assert calls == ([1, 2] * 3 if window == 100 else [1] * 3)
+    assert calls == ([1, 2] * 3 if window in (8, 100) else [1] * 3)
     assert by_kernel.layers[1].write is not None        # the Triton write kernels, at head_dim 256 too
     for b, start in ((0, 0), (1, 15)):
         want = decode_logits(model, cache(False), ids[b:b + 1, start:], steps=3)

@@ -251,3 +251,26 @@ def test_window_store_holds_the_last_n_tokens(axis):
             assert got[0].shape[1] == min(length, 300)
             assert torch.equal(got[0], want[0][:, -300:]) and torch.equal(got[1], want[1][:, -300:])
     assert win.int2_tokens().tolist() == [256, 256]
+
+
+def test_bf16_window_store_holds_the_last_n_tokens():
+    """A window kept whole in BF16 (window_cache(int2=False): the sink and a ring of N, no INT2 rows) reads back the
+    last N tokens of a store that keeps every token in BF16, through prefills longer than N, steps and chunks."""
+    gen = torch.Generator().manual_seed(5)
+    layer = make_layer(2, 64, gen)
+    win = kvstore.window_cache(2, 2, 64, 40, sink_tokens=4, recent_tokens=40, int2=False)
+    assert (win.sink_tokens, win.recent_tokens, win.key_codes.shape[2], win.window) == (4, 40, 0, 40)
+    full = kvstore.empty_cache(2, 2, 64, 4 + 400, sink_tokens=4, recent_tokens=400)
+    length = 0
+    for n in [2, 1, 70, 1, 20, 50, 1, 39, 1] + [1] * 45:
+        k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
+        for store in (win, full):
+            kvstore.advance(store, n)
+            kvstore.append(store, k, v, layer)
+        length += n
+        for b in range(2):
+            got, want = kvstore.sequence_kv(win, b), kvstore.sequence_kv(full, b)
+            assert got[0].shape[1] == min(length, 40) and win.int2_tokens().tolist() == [0, 0]
+            assert torch.equal(got[0], want[0][:, -40:]) and torch.equal(got[1], want[1][:, -40:])
+    with pytest.raises(ValueError, match="key_axis"):
+        kvstore.window_cache(1, 1, 64, 40, key_group_size=16, key_axis="channel", int2=False)

@@ -150,12 +150,15 @@ def test_bf16_cache_decodes_as_generate(kind):
     assert cache.bf16_nbytes() == cache.nbytes()
 
 
-def test_int2_cache_keeps_rings_and_decodes_the_global_layer():
-    """Gemma 3: the sliding layers hold their BF16 ring whatever the method, the global layer INT2; an exact prefill
-    written into the cache (fill) decodes on like the cache that saw the whole prompt."""
+def test_int2_cache_keeps_short_windows_in_bf16_and_decodes_the_global_layer():
+    """Gemma 3: the short sliding windows hold no INT2 (window stores of the sink and an N-slot BF16 ring), the global
+    layer INT2; an exact prefill written into the cache (fill) decodes on like the cache that saw the whole prompt."""
     model = tiny_sliding_model("gemma3", WINDOW)
     cache = OscarCache(None, "int2", config=model.config, sink_tokens=2, recent_tokens=4)
-    assert [type(layer) for layer in cache.layers] == [RingLayer, OscarLayer, RingLayer]
+    assert [type(layer) for layer in cache.layers] == [OscarLayer] * 3
+    assert [layer.int2 for layer in cache.layers] == [False, True, False]
+    assert [type(layer) for layer in OscarCache(None, "kivi", config=model.config).layers] == [RingLayer, OscarLayer,
+                                                                                              RingLayer]
     x = ids(30)
     with torch.inference_mode():
         prefill = exact_cache(cache)
@@ -165,7 +168,9 @@ def test_int2_cache_keeps_rings_and_decodes_the_global_layer():
         model(input_ids=x[:, :-1], past_key_values=cache, use_cache=True)
         b = model(input_ids=x[:, -1:], past_key_values=cache, use_cache=True).logits
     assert torch.allclose(a, b, atol=1e-5)
-    assert filled.layers[0].keys.shape[2] == WINDOW - 1 and filled.layers[1].int2_tokens() == 30 - 2 - 4
+    store = filled.layers[0].store
+    assert store.key_codes.shape[2] == 0 and store.ring_slots == WINDOW and filled.layers[0].int2_tokens() == 0
+    assert filled.layers[1].int2_tokens() == 30 - 2 - 4
 
 
 def generated_and_simulated(model, cache, new_tokens: int):
@@ -196,6 +201,23 @@ def test_long_window_layer_holds_int2_and_decodes_as_simulated():
     for layer in cache.layers:                            # the last 11 tokens: 3 recent in BF16, 8 INT2
         assert layer.get_seq_length() == 30 and layer.key_store.held() == 11 and layer.key_store.n_int2 == 8
     assert cache.bf16_nbytes() == 3 * 2 * 2 * 11 * 16 * 2
+
+
+def test_short_window_store_decodes_as_simulated():
+    """A window of 8 (not over 2·(sink + recent)) is a window store with no INT2 rows, the sink and 8 BF16 slots:
+    decoding past the window, each token's logits equal simulate's, which reads that layer in BF16, and the cache
+    holds the sink and the window, its bytes whole from the first update."""
+    from oscar_core import kvstore
+
+    model = tiny_sliding_model("gemma3", WINDOW)
+    cache = OscarCache(None, "int2", config=model.config, sink_tokens=1, recent_tokens=3)
+    _, decoded, simulated = generated_and_simulated(model, cache, 40)
+    assert torch.allclose(decoded, simulated, atol=1e-4)
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    for layer in cache.layers[::2]:
+        assert layer.store.key_codes.shape[2] == 0 and layer.int2_tokens() == 0 and layer.get_seq_length() == 40
+        assert layer.nbytes() == kvstore.store_nbytes(1, 1 + WINDOW, layer.shape[0], head_dim, *layer.group_sizes,
+                                                      sink_tokens=1, recent_tokens=WINDOW, rows=0) - 4
 
 
 def test_window_store_decodes_as_simulated():
@@ -247,12 +269,13 @@ def test_long_window_prefill_then_decode(method):
 
 
 def test_memory_plan_counts_the_rings():
-    """Gemma 3 270M's shape: 18 layers, five of six sliding with a 512-token window: a ring of 512 BF16 tokens."""
+    """Gemma 3 270M's shape: 18 layers, five of six sliding with a 512-token window: in the INT2 cache a window store
+    of 64 + 512 BF16 tokens and its length (no INT2 rows), in the BF16 cache a ring of 512."""
     w = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
     plan = memory_plan(18, 1, 256, 32768, windows=w)
     int2 = memory_plan(3, 1, 256, 32768)
     ring = 15 * 2 * 512 * 256 * 2
-    assert plan["bytes_per_sequence"] == int2["bytes_per_sequence"] + ring
+    assert plan["bytes_per_sequence"] == int2["bytes_per_sequence"] + 15 * (2 * (64 + 512) * 256 * 2 + 4)
     assert plan["bf16_bytes_per_sequence"] == int2["bf16_bytes_per_sequence"] + ring
     assert plan["bytes_per_token"] == int2["bytes_per_token"]
     assert memory_plan(2, 1, 64, 4096, windows=[None, None]) == memory_plan(2, 1, 64, 4096)

@@ -37,9 +37,11 @@ the products run on the query scaled once a tile and the zero codes add one offs
 (_channel_scores). The sink and ring programs read the ring of W + G slots from the first BF16 position
 S + n_int2 on, n_int2 = ⌊(L − S − W)/G⌋·G.
 
-A window's store (kvstore.window_cache: T INT2 rows a ring, no sink) holds exactly a sequence's last N tokens, so it
-is read like any store, over its min(n_int2, T) rows in use (in row order: attention does not depend on it), with
-no mask; for a global layer's store n_int2 ≤ T always.
+A window's store (kvstore.window_cache: the sink, a ring of W BF16 slots and a ring of T INT2 rows) holds a
+sequence's last N tokens past its sink, so it is read like any store, over its min(n_int2, T) rows in use (in row
+order: attention does not depend on it; for a global layer's store n_int2 ≤ T always); the window programs skip the
+sink tokens that have left the window (SLIDE) and, with keys per channel, the INT2 programs the rows of the oldest
+block that have (HOLE, expired_rows). A window kept whole in BF16 (T = 0) is read by the window programs alone.
 """
 
 import contextlib
@@ -1065,7 +1067,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         # the Triton programs' one launch fewer may pay: from 8K tokens at batch 1 the Gluon programs win
         # (H100, graph, 8K x 1: Qwen3-8B 0.023 against 0.025 ms, keys per channel 0.024 against 0.032,
         # Llama-3.2-1B's d 64 0.025 both; GQA 16 0.033 against 0.065; kernel_notes.md v14).
-        gluon = not fused and gluon_supported(q, cache) and (bsz * kv_heads > 16 or max_int2 >= 4096 or hg > 4)
+        gluon = (not fused and gluon_supported(q, cache) and max_int2 > 0
+                 and (bsz * kv_heads > 16 or max_int2 >= 4096 or hg > 4))
         if gluon and d == 256 and bsz * kv_heads < 8:
             # Below 8 pairs at head_dim 256 the Triton programs' four-warp tiles win up to 100K with keys per token
             # (Gemma 3 270M's 4/1 heads at 100K x 1: 0.036 against 0.044 ms) and up to 64K with keys per channel

@@ -45,7 +45,8 @@ row's value bytes through code_offsets, each 16-bit half into its tile's slot; k
 A window's store (kvstore.window_cache, RING): INT2 token i goes to row i mod T (keys per channel: key block j to row
 block j mod T/G), and only the tokens of its last N = W + T positions are written (a prefill's INT2 tiles or key
 blocks start at the first of its last T INT2 tokens; an append skips an evicted or direct token older than that;
-leave_blocks writes the last T/G blocks), so no two tokens of a launch share a row.
+leave_blocks writes the last T/G blocks), so no two tokens of a launch share a row. A window kept whole in BF16
+(T = 0) has only its sink and ring written.
 
 Channels a program (columns): each program rotates and quantizes C channels of its tokens, y[:, c0:c0 + C] =
 (x − μ)·R[:, c0:c0 + C], holding those columns of R; C is the whole head up to head_dim 128 and 128 at 256, where
@@ -452,7 +453,7 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
             y = _rotate(x, r_hi, r_lo, start, F32)
             if RING:
                 in_int2 = in_int2 & (k * BT + i >= n_int2 - T)
-                row0 = bh * T + (k * BT) % T
+                row0 = bh * T + (k * BT) % tl.maximum(T, 1)     # T = 0, a window kept in BF16: all masked
             else:
                 row0 = bh * T + k * BT
             # 64-bit offsets to the tile's first row (tiled codes: to the 64-row tile that holds it), 32-bit ones
@@ -600,6 +601,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
     s, w = cache.sink_tokens, cache.recent_tokens
     c = columns(d, _channel_groups(cache))
     rows_cap = cache.key_codes.shape[2]
+    evict = evict and rows_cap > 0      # a window kept in BF16 (no INT2 rows): its old tokens are just overwritten
     piece = w if evict and n > w else n
     bt = block_t or (16 if bsz * piece <= 16 else 64)
     for t0 in range(0, n, piece):
@@ -617,7 +619,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
             cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles,
             H=heads, D=d, C=c, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
             K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
-            DIRECT=n > w, F32=not keys.is_cuda, R=cache.ring_slots, VT=cache.value_tiles,
+            DIRECT=n > w and rows_cap > 0, F32=not keys.is_cuda, R=cache.ring_slots, VT=cache.value_tiles,
             RING=cache.window is not None, num_warps=4 if bt <= 64 else 8)
 
 
