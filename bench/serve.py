@@ -6,7 +6,8 @@ orthogonal rotations, means and clips stands in for a calibrated one (the kernel
 --model Qwen3-32B: GQA 8; --model Gemma3-12B: head_dim 256, 40 of its 48 layers sliding over 1,024 tokens (the
 INT2 arms hold those in window stores, kvstore.window_cache; bf16-flash in FlashRing below; bf16-static, in transformers'
 static sliding layers, fails at capture); --model Gemma3-1B: 4 query heads on one KV head, 22 of its 26 layers
-sliding over 512 tokens, kept whole in BF16 (window stores with no INT2 rows).
+sliding over 512 tokens, kept whole in BF16 (window stores with no INT2 rows); --model Gemma3-270M: the same
+heads and windows, 18 layers.
 Arms, every one in this run, at each (context, batch) point:
   bf16-dynamic   transformers DynamicCache, eager decode steps
   bf16-static    transformers StaticCache, each decode step one CUDA-graph replay (transformers' sdpa path:
@@ -57,7 +58,9 @@ SHAPES = {"Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_attent
           "Gemma3-12B": dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, layers=48,
                              head_dim=256, sliding_window=1024),
           "Gemma3-1B": dict(hidden_size=1152, intermediate_size=6912, num_attention_heads=4, kv_heads=1, layers=26,
-                            head_dim=256, sliding_window=512)}
+                            head_dim=256, sliding_window=512),
+          "Gemma3-270M": dict(hidden_size=640, intermediate_size=2048, num_attention_heads=4, kv_heads=1, layers=18,
+                              head_dim=256, sliding_window=512)}
 
 
 def head_dim(name: str) -> int:

@@ -4,7 +4,9 @@ a window shorter than the text. Measures, on held-out text:
 - the BF16 arm of the simulation (what `oscar eval`'s BF16 perplexity and verify's reference run) against the
   model's own forward: largest logit difference, top-1 agreement, perplexity;
 - the perplexity of the same weights with global attention (what a simulation blind to windows computed);
-- greedy decoding through OscarCache("bf16") (BF16 rings for the sliding layers) against transformers' generate.
+- greedy decoding through OscarCache("bf16") (BF16 rings for the sliding layers) against transformers' generate;
+- greedy decoding through OscarCache("int2") (the global layers INT2, the sliding ones window stores kept in BF16,
+  as Gemma 3's 512-token windows are) against the int2 simulation teacher-forced on the same tokens.
 
     .venv/bin/python bench/sliding.py --window 256 --from-layer 12 --tokens 1024 --out bench/results/sliding.md
 """
@@ -66,7 +68,13 @@ def main():
         reference = model.generate(prompt, **gen)
         cache = OscarCache(None, "bf16", config=model.config)
         through = model.generate(prompt, past_key_values=cache, **gen)
+        int2 = OscarCache(None, "int2", config=model.config)
+        out = model.generate(prompt, past_key_values=int2, output_logits=True, return_dict_in_generate=True, **gen)
+        decoded = torch.stack(out.logits, 1)[0]
+        with simulate_int2(model, "int2"):
+            simulated = model(out.sequences[:, :-1]).logits[0, -args.new_tokens:]
     ring = cache.ring_layers[0].keys.shape[2]
+    store = int2.layers[sliding_layer(model.config)].store
     sliding = sorted(windows(layer_specs(model.config)))
     del model
     global_model, _ = load(None, 0)
@@ -82,6 +90,10 @@ def main():
         ("perplexity: same weights, every layer global", f"{math.exp(nll_g / n_g):.4f}"),
         (f"greedy {args.new_tokens} tokens after {prompt.shape[1]}: OscarCache('bf16') = generate",
          f"{bool(torch.equal(reference, through))} (each ring holds {ring} tokens)"),
+        (f"greedy {args.new_tokens} tokens through OscarCache('int2') against the int2 simulation",
+         f"max logit difference {float((decoded - simulated).abs().max()):.3e}, top-1 agreement "
+         f"{float((decoded.argmax(-1) == simulated.argmax(-1)).float().mean()):.4f} (each sliding layer a window store "
+         f"of {store.sink_tokens} sink and {store.ring_slots} BF16 slots, {store.key_codes.shape[2]} INT2 rows)"),
     ]
     text = (f"# Sliding-window layers on real weights ({MODEL})\n\n`bench/sliding.py --window {args.window} "
             f"--from-layer {args.from_layer} --tokens {args.tokens}`, CPU, float32, "
@@ -89,6 +101,10 @@ def main():
             + "".join(f"| {a} | {b} |\n" for a, b in rows))
     args.out.write_text(text)
     print(text)
+
+
+def sliding_layer(config) -> int:
+    return min(windows(layer_specs(config)))
 
 
 if __name__ == "__main__":
