@@ -79,8 +79,8 @@ def qwen3_model(layers: int, name: str = "Qwen3-8B"):
     shape = {k: v for k, v in SHAPES[name].items() if k not in ("layers", "head_dim", "sliding_window", "kv_heads")}
     if name.startswith("Gemma3"):
         types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
-        config = tf.Gemma3TextConfig(**shape, num_hidden_layers=layers, num_key_value_heads=kv_heads(name), head_dim=256,
-                                     sliding_window=SHAPES[name]["sliding_window"], layer_types=types,
+        config = tf.Gemma3TextConfig(**shape, num_hidden_layers=layers, num_key_value_heads=kv_heads(name),
+                                     head_dim=256, sliding_window=SHAPES[name]["sliding_window"], layer_types=types,
                                      query_pre_attn_scalar=256, vocab_size=262208, max_position_embeddings=131072)
     else:
         config = tf.Qwen3Config(**shape, num_hidden_layers=layers, num_key_value_heads=8, head_dim=128,
@@ -368,7 +368,8 @@ def main():
             res["points"].append(run_point(model, bundle, arm, batch, context, args.steps))
     # The largest batch at this context that fits beside the weights (2 GiB kept for activations and work).
     budget = props.total_memory - weights - 2 * GIB
-    plan = memory_plan(args.layers, kv_heads(args.model), head_dim(args.model), args.max_batch_context + args.steps + 16, budget,
+    plan = memory_plan(args.layers, kv_heads(args.model), head_dim(args.model),
+                       args.max_batch_context + args.steps + 16, budget,
                        windows=[(windows or {}).get(i) for i in range(args.layers)])
     res["plan"] = plan | dict(budget_gib=budget / GIB)
     print(json.dumps(res["plan"]), flush=True)

@@ -80,8 +80,8 @@ def main():
         with simulate_int2(model, "int2"):
             simulated = model(out.sequences[:, :-1]).logits[0]
     ring = cache.ring_layers[0].keys.shape[2]
-    store = int2.layers[sliding_layer(model.config)].store
     sliding = sorted(windows(layer_specs(model.config)))
+    store = int2.layers[sliding[0]].store
     del model
     global_model, _ = load(None, 0)
     nll_g, n_g = negative_log_likelihood(global_model, ids)
@@ -107,10 +107,6 @@ def main():
             + "".join(f"| {a} | {b} |\n" for a, b in rows))
     args.out.write_text(text)
     print(text)
-
-
-def sliding_layer(config) -> int:
-    return min(windows(layer_specs(config)))
 
 
 if __name__ == "__main__":

@@ -612,8 +612,9 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
             return store(1, tokens, [axis])
         return store(1, sink_tokens + window, [axis], sink_tokens, ring_slots)
 
-    bf16_windows = sum(kvstore.store_nbytes(1, sink_tokens + w, kv_heads, head_dim, key_group_size,
-                                            value_group_size, sink_tokens, w, rows=0) for w, r in zip(windows, ring) if r)
+    bf16_windows = sum(kvstore.store_nbytes(1, sink_tokens + w, kv_heads, head_dim, key_group_size, value_group_size,
+                                            sink_tokens, w, rows=0)
+                       for w, r in zip(windows, ring) if r)
     per_seq = sum(layer_store(*h) for h in held) + bf16_windows
     bf16 = sum(2 * kv_heads * tokens * head_dim * 2 for tokens, _, _ in held) + ring_bytes
     # Rows are allocated in whole blocks: one block's bytes over its rows.

@@ -415,7 +415,8 @@ def test_window_store_kernels_match_reference(axis):
     window, kw = {"token": (120, {}), "channel": (250, dict(key_axis="channel")), "bf16": (120, dict(int2=False))}[axis]
     ref = kvstore.window_cache(bsz, heads, d, window, 64, 64, 4, 8, **kw)
     got = kvstore.window_cache(bsz, heads, d, window, 64, 64, 4, 8, device=DEVICE, **kw)
-    assert (got.recent_tokens, got.key_codes.shape[2]) == {"token": (56, 64), "channel": (58, 192), "bf16": (120, 0)}[axis]
+    want = {"token": (56, 64), "channel": (58, 192), "bf16": (120, 0)}[axis]
+    assert (got.recent_tokens, got.key_codes.shape[2]) == want
 
     def append(n, starts=None, prefill=False):
         k = (torch.randn(bsz, heads, n, d, generator=gen) * 2).bfloat16()
