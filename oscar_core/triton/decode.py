@@ -907,9 +907,11 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     under way (an eager caller). Its launches are those of graph=False with max_length rounded up to a power
     of two, so that a growing context recaptures only when it doubles.
     pdl: each launch after the query rotation starts before the one it depends on ends (programmatic dependent
-    launch: it waits in gdc_wait, so its launch and prologue overlap the tail of the one before); None: at 8
-    (sequence, KV head) pairs or fewer, where programmatic_launch says the device has it and fused is off. True
-    to require it (ValueError where it cannot)."""
+    launch: it waits in gdc_wait, so its launch and prologue overlap the tail of the one before), but beyond 8
+    (sequence, KV head) pairs the window programs (or, without the Gluon programs, the split programs), which
+    then start after the rotation ends; None: at 8 pairs or fewer, and beyond them with the Gluon programs,
+    where programmatic_launch says the device has it and fused is off. True to require it (ValueError where it
+    cannot)."""
     if graph is None:
         graph = q.is_cuda and not torch.cuda.is_current_stream_capturing()
     if graph:
@@ -1077,14 +1079,18 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     elif gluon and (fused or not gluon_supported(q, cache)):
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64, 128 or 256, groups of 64 "
                          "or 128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
+    few_pairs = bsz * kv_heads <= 8
     if pdl is None:
-        # At batch 1 (8 pairs or fewer) the launch gaps are a share of the call worth saving; at batch 8 the
-        # dependents' early programs cost more than the gaps (H200, graph, off / on, kernel_notes.md v19: Qwen3-8B
-        # 8K x 1 0.0204 / 0.0197 ms, 16K x 1 0.0226 / 0.0216, 100K x 1 0.0458 / 0.0445; 16K x 8 0.0582 / 0.0616).
-        pdl = not fused and bsz * kv_heads <= 8 and programmatic_launch(q.device)
+        # At batch 1 (8 pairs or fewer) the launch gaps are a share of the call worth saving (H200, graph, off / on,
+        # kernel_notes.md v19: Qwen3-8B 8K x 1 0.0204 / 0.0197 ms, 16K x 1 0.0226 / 0.0216, 100K x 1 0.0458 /
+        # 0.0445). Beyond, the window programs launched early cost more than the gaps (16K x 8 0.0582 / 0.0616), but
+        # with them launched plainly the Gluon programs and the reduce gain a little (H100, 9 of 9 points at batch 8,
+        # 0.2-2.9%: Qwen3-8B 32K x 8 0.0938 / 0.0930 ms; kernel_notes.md v22).
+        pdl = not fused and (few_pairs or gluon) and programmatic_launch(q.device)
     elif pdl and (fused or not programmatic_launch(q.device)):
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer and "
                          "fused=False")
+    window_pdl = pdl and few_pairs      # the window programs (or all, without Gluon) dependents of the rotation
     cfg = default_config(bsz, kv_heads, d, gluon)
     block_n = 64 if gluon else block_n or cfg["block_n"]
     if tb > 1:
@@ -1092,7 +1098,6 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
-    few_pairs = bsz * kv_heads <= 8         # small batches: the reduce's columns
     consts = {}
     if gluon:
         consts = dict(gluon_constexprs(cache, heads, d, nw, heads_per_program), PDL=pdl)
@@ -1120,6 +1125,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     gated = _pow2(ns) <= 64
     shares = 0 if fused else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
     launch = dict(launch_pdl=True) if pdl else {}
+    window_launch = dict(launch_pdl=True) if window_pdl else {}
     return _Plan(
         gluon=gluon, pdl=pdl, ns=ns, n_int2=n_int2, min_chunk=cfg["min_chunk"], split=split, work=split * (d + 2) + shares,
         split_grid=(nw if gluon else ns, bsz * kv_heads),
@@ -1127,9 +1133,9 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           HGP=hgp, QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16),
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
                           F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1,
-                          VT=cache.value_tiles, PDL=pdl, HOLE=hole(cache), SLIDE=cache.window is not None,
+                          VT=cache.value_tiles, PDL=window_pdl, HOLE=hole(cache), SLIDE=cache.window is not None,
                           num_warps=num_warps,
-                          num_stages=num_stages, **launch),
+                          num_stages=num_stages, **window_launch),
         gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
         gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
         reduce_grid=(bsz * kv_heads, d // block_c),
