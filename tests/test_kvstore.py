@@ -239,8 +239,15 @@ def test_window_store_holds_the_last_n_tokens(axis):
     win = kvstore.window_cache(2, 2, 64, 300, sink_tokens=4, recent_tokens=40, **kw)
     full = kvstore.empty_cache(2, 2, 64, 2000, sink_tokens=4, recent_tokens=win.recent_tokens, **kw)
     assert (win.sink_tokens, win.recent_tokens, win.key_codes.shape[2]) == (4, 44, 256)
-    length = 0
-    for n in [2, 1, 280, 1, 20, 500, 1, 37, 1, 300, 129] + [1] * 20:
+    assert_holds_last_tokens(win, full, layer, gen, [2, 1, 280, 1, 20, 500, 1, 37, 1, 300, 129] + [1] * 20)
+    assert win.int2_tokens().tolist() == [256, 256]
+
+
+def assert_holds_last_tokens(win, full, layer, gen, chunks):
+    """Append the same random chunks to a window's store and a full store: after each, every sequence of the window's
+    store reads back exactly the full store's last N tokens."""
+    length, n_win = 0, win.window
+    for n in chunks:
         k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
         for store in (win, full):
             kvstore.advance(store, n)
@@ -248,9 +255,8 @@ def test_window_store_holds_the_last_n_tokens(axis):
         length += n
         for b in range(2):
             got, want = kvstore.sequence_kv(win, b), kvstore.sequence_kv(full, b)
-            assert got[0].shape[1] == min(length, 300)
-            assert torch.equal(got[0], want[0][:, -300:]) and torch.equal(got[1], want[1][:, -300:])
-    assert win.int2_tokens().tolist() == [256, 256]
+            assert got[0].shape[1] == min(length, n_win)
+            assert torch.equal(got[0], want[0][:, -n_win:]) and torch.equal(got[1], want[1][:, -n_win:])
 
 
 def test_bf16_window_store_holds_the_last_n_tokens():
@@ -261,16 +267,7 @@ def test_bf16_window_store_holds_the_last_n_tokens():
     win = kvstore.window_cache(2, 2, 64, 40, sink_tokens=4, recent_tokens=40, int2=False)
     assert (win.sink_tokens, win.recent_tokens, win.key_codes.shape[2], win.window) == (4, 40, 0, 40)
     full = kvstore.empty_cache(2, 2, 64, 4 + 400, sink_tokens=4, recent_tokens=400)
-    length = 0
-    for n in [2, 1, 70, 1, 20, 50, 1, 39, 1] + [1] * 45:
-        k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
-        for store in (win, full):
-            kvstore.advance(store, n)
-            kvstore.append(store, k, v, layer)
-        length += n
-        for b in range(2):
-            got, want = kvstore.sequence_kv(win, b), kvstore.sequence_kv(full, b)
-            assert got[0].shape[1] == min(length, 40) and win.int2_tokens().tolist() == [0, 0]
-            assert torch.equal(got[0], want[0][:, -40:]) and torch.equal(got[1], want[1][:, -40:])
+    assert_holds_last_tokens(win, full, layer, gen, [2, 1, 70, 1, 20, 50, 1, 39, 1] + [1] * 45)
+    assert win.int2_tokens().tolist() == [0, 0]
     with pytest.raises(ValueError, match="key_axis"):
         kvstore.window_cache(1, 1, 64, 40, key_group_size=16, key_axis="channel", int2=False)
