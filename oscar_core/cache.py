@@ -404,8 +404,7 @@ class OscarLayer(DynamicLayer):
         if self.key_store is not None:
             return self.key_store.n_int2
         if self.window is not None:
-            rows, ring = kvstore.window_split(self.window, self.recent_tokens, self.token_block) if self.int2 \
-                else (0, self.window)
+            rows, ring = kvstore.window_split(self.window, self.recent_tokens, self.token_block, self.int2)
             return min(max(self.seen - self.sink_tokens - ring, 0) // self.token_block * self.token_block, rows)
         return max(self.seen - self.sink_tokens - self.recent_tokens, 0) // self.token_block * self.token_block
 

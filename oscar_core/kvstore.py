@@ -237,11 +237,13 @@ def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_gro
         value_layout=value_layout)
 
 
-def window_split(window: int, recent_tokens: int = RECENT_TOKENS, token_block: int = 1) -> tuple[int, int]:
+def window_split(window: int, recent_tokens: int = RECENT_TOKENS, token_block: int = 1,
+                 int2: bool = True) -> tuple[int, int]:
     """(T, W) of a sliding window of N tokens: T INT2 rows, the most whole tiles of ROW_BLOCK (and key blocks of
-    token_block) that leave at least recent_tokens, and W = N − T BF16 tokens (T = 0: too short for one tile)."""
+    token_block) that leave at least recent_tokens, and W = N − T BF16 tokens (T = 0: too short for one tile);
+    int2=False, a window kept whole in BF16 (layers.holds_int2): (0, N)."""
     unit = math.lcm(ROW_BLOCK, token_block)
-    rows = max(window - recent_tokens, 0) // unit * unit
+    rows = max(window - recent_tokens, 0) // unit * unit if int2 else 0
     return rows, window - rows
 
 
@@ -255,8 +257,7 @@ def window_cache(batch: int, kv_heads: int, head_dim: int, window: int, key_grou
     quantized, and the decode kernel reads it as a store whose INT2 rows are all gone."""
     if not int2 and key_axis != "token":
         raise ValueError("a window kept in BF16 has no key blocks: key_axis must be 'token'")
-    rows, ring = window_split(window, recent_tokens, key_group_size if key_axis == "channel" else 1) if int2 \
-        else (0, window)
+    rows, ring = window_split(window, recent_tokens, key_group_size if key_axis == "channel" else 1, int2)
     if rows == 0 and int2:
         raise ValueError(f"a window of {window} tokens holds no INT2 tile beside {recent_tokens} BF16 tokens")
     cache = empty_cache(batch, kv_heads, head_dim, sink_tokens + window, key_group_size, value_group_size,
