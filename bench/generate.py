@@ -16,8 +16,11 @@ arm runs once on the first 1,024 tokens before, so Triton compiles there). 'same
 to bf16-static's before the first difference, mean over sequences (INT2 and BF16 caches differ, so greedy
 paths part at some point; a quality figure is `oscar eval`'s perplexity, bench/results/real_models.md).
 
-    python3 bench/generate.py --model packaged:qwen2.5-coder-0.5b --bundle zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1 \\
-        --points 8192x32,32000x1,32000x8 --out bench/results/generate_qwen.md
+    python3 bench/generate.py --model packaged:Qwen2.5-Coder-0.5B-Instruct \\
+        --bundle zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1 --points 8192x32,32000x1,32000x8,32000x32 \\
+        --out bench/results/generate_qwen.md --json bench/results/generate_qwen.json
+    python3 bench/generate.py --bundle zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1 --points 8000x8,8000x32 \\
+        --out bench/results/generate_smollm2.md --json bench/results/generate_smollm2.json
 """
 
 import argparse
@@ -188,7 +191,8 @@ def render(rows: list, lm, bundle, args) -> str:
              f"bundle `{args.bundle}` ({bundle.manifest.name})",
              f"- `python3 bench/generate.py {' '.join(sys.argv[1:])}`",
              f"- {args.new_tokens} greedy tokens a sequence; ms a step and tokens/s over the steps after the "
-             "capture; cache: the bytes the cache holds (StaticCache: its buffers; OscarCache.nbytes)", ""]
+             "capture; cache: the bytes the cache holds (StaticCache: its buffers; OscarCache.nbytes; DynamicCache: "
+             "2 · layers · B · H_kv · (context + new tokens) · d · 2)", ""]
     lines += table(rows)
     return "\n".join(lines) + "\n"
 
