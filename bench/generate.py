@@ -38,6 +38,7 @@ from oscar_core import data
 from oscar_core.bundle import load_bundle
 from oscar_core.cache import OscarCache, oscar_attention
 from oscar_core.decode_graph import GreedyDecoder
+from oscar_core.errors import OscarError
 from oscar_core.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -207,8 +208,13 @@ def main():
     p.add_argument("--out", default="bench/results/generate.md")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    lm = load_model(args.model, "cuda", "bfloat16")
-    bundle = load_bundle(args.bundle, "cuda")
+    if not torch.cuda.is_available():
+        sys.exit("error: bench/generate.py needs a CUDA GPU (its decode steps are CUDA-graph replays)")
+    try:
+        lm = load_model(args.model, "cuda", "bfloat16")
+        bundle = load_bundle(args.bundle, "cuda")
+    except OscarError as e:
+        sys.exit(f"error: {e}")
     rows = []
     for point in args.points.split(","):
         context, batch = (int(x) for x in point.split("x"))
