@@ -26,6 +26,7 @@ paths part at some point; a quality figure is `oscar eval`'s perplexity, bench/r
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import sys
@@ -48,11 +49,18 @@ GIB = 2 ** 30
 ARMS = ("bf16-static", "bf16-flash", "oscar-graph", "oscar-eager", "bf16-generate")
 
 
-def prompts(tokenizer, context: int, batch: int) -> torch.Tensor:
-    """[batch, context] token ids: sequence b starts b/batch of the way into the held-out token stream, cycled."""
+@functools.lru_cache(maxsize=None)
+def heldout_stream(tokenizer) -> tuple:
+    """The held-out text's documents tokenized and joined by the end-of-sequence token (once per tokenizer)."""
     stream = []
     for doc in data.texts(data.DEFAULT_HELDOUT):
         stream += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return tuple(stream)
+
+
+def prompts(tokenizer, context: int, batch: int) -> torch.Tensor:
+    """[batch, context] token ids: sequence b starts b/batch of the way into the held-out token stream, cycled."""
+    stream = heldout_stream(tokenizer)
     ids = torch.tensor(stream)
     reps = -(-(context + len(ids)) // len(ids)) + 1
     ids = ids.repeat(reps)

@@ -907,11 +907,11 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     under way (an eager caller). Its launches are those of graph=False with max_length rounded up to a power
     of two, so that a growing context recaptures only when it doubles.
     pdl: each launch after the query rotation starts before the one it depends on ends (programmatic dependent
-    launch: it waits in gdc_wait, so its launch and prologue overlap the tail of the one before), but beyond 8
-    (sequence, KV head) pairs the window programs (or, without the Gluon programs, the split programs), which
-    then start after the rotation ends; None: at 8 pairs or fewer, and beyond them with the Gluon programs,
-    where programmatic_launch says the device has it and fused is off. True to require it (ValueError where it
-    cannot)."""
+    launch: it waits in gdc_wait, so its launch and prologue overlap the tail of the one before); beyond 8
+    (sequence, KV head) pairs the window programs (without the Gluon programs, the split programs) are still
+    launched plainly, after the rotation ends. None: at 8 pairs or fewer, and beyond them with the Gluon
+    programs, where programmatic_launch says the device has it and fused is off. True to require it (ValueError
+    where it cannot)."""
     if graph is None:
         graph = q.is_cuda and not torch.cuda.is_current_stream_capturing()
     if graph:
