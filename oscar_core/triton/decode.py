@@ -735,7 +735,7 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
                 BLOCK_N=64, STAGES=_gluon().STAGES if ring else 0, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
                 D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv, tiles),
                 KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles, SLIDE=cache.window is not None,
-                HOLE=hole(cache))
+                HOLE=hole(cache), PF=prefetch_tiles(head_dim, r4, tb))
 
 
 def hole(cache: Int2KVCache) -> bool:
@@ -766,6 +766,21 @@ def keys_ahead(head_dim: int, heads_per_program: int, token_block: int, key_grou
         return True
     return (heads_per_program == 4 and not (head_dim == 128 and token_block == 1 and key_groups == 2)
             and not (head_dim == 256 and token_block > 1))
+
+
+def prefetch_tiles(head_dim: int, heads_per_program: int, token_block: int) -> int:
+    """Tiles ahead (0: none) that the Gluon programs hint into L2 during each tile (decode_gluon._prefetch_tile).
+    With keys per channel the 8-head programs at head_dim 128 and the programs at head_dim 64 wait longest on
+    their loads; H100, graph, best of 3 interleaved, shipped / one tile ahead (kernel_notes.md v24): GQA 8 100K x
+    8 0.2816 / 0.2694 ms, 32K x 8 0.1242 / 0.1154, 100K x 1 0.0664 / 0.0568; GQA 5 100K x 8 0.2694 / 0.2649, 16K
+    x 8 0.0786 / 0.0742; GQA 7 100K x 8 0.1500 / 0.1455; SmolLM2 (9/3, d 64) 100K x 8 0.0600 / 0.0572, 16K x 8
+    0.0235 / 0.0237; Qwen2.5-0.5B (14/2, d 64) 100K x 8 0.0557 / 0.0544. A useless hint (the tile in hand) in the
+    same loop gains 0-4% at most of these points, so most of the gain is the prefetch. Elsewhere hints lose:
+    Qwen3-8B's keys per token 12-19% slower two tiles ahead, its keys per channel 0-6%, Gemma 3 270M's keys per
+    channel 2.5% one tile ahead."""
+    if token_block > 1 and (head_dim == 64 or (head_dim == 128 and heads_per_program == 8)):
+        return 1
+    return 0
 
 
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:

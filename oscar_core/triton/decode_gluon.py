@@ -244,6 +244,30 @@ def _read_tile(ksm, vsm, msm, st, KW: gl.constexpr, VS: gl.constexpr):
             m.slice(16, 8).load(MW), m.slice(24, 8).load(MW))
 
 
+_PREFETCH = gl.constexpr("prefetch.global.L2 [$1];\n mov.b32 $0, 0;")
+
+
+@gluon.jit
+def _prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0, D: gl.constexpr, NGK: gl.constexpr, NGV: gl.constexpr,
+                   TB: gl.constexpr):
+    """Hint tile t0's bytes into L2, holding no register: its key words and value codes (D/4 bytes a row each, 64
+    rows contiguous: D/8 lines of 128 bytes each) and the first line of each scale and zero array's."""
+    LINES: gl.constexpr = D // 8
+    NL: gl.constexpr = 32 if D == 64 else 2 * D // 4
+    i = gl.arange(0, NL, layout=gl.BlockedLayout([NL // 32], [32], [1], [0])).to(gl.int64)
+    t = t0.to(gl.int64)
+    j = (i - 2 * LINES) % 4
+    if TB > 1:
+        kmeta = (t // TB) * D
+    else:
+        kmeta = t * NGK
+    meta = gl.where(j == 0, vsc.to(gl.int64) + t * NGV,
+                    gl.where(j == 1, vz.to(gl.int64) + t * NGV,
+                             gl.where(j == 2, ksc.to(gl.int64) + kmeta, kz.to(gl.int64) + kmeta)))
+    addr = gl.where(i < LINES, kw.to(gl.int64) + t * (D // 4) + 128 * i,
+                    gl.where(i < 2 * LINES, vh.to(gl.int64) + t * (D // 4) + 128 * (i - LINES), meta))
+    gl.inline_asm_elementwise(_PREFETCH, "=r,l", [addr], dtype=gl.int32, is_pure=False, pack=1)
+
 @gluon.jit
 def _rowsum(x):
     """[64, R] -> [8, R]: the sum over each thread's own rows m = g + 8j (over j, no lane crossing)."""
@@ -389,7 +413,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
                        MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr,
-                       PDL: gl.constexpr = False, SLIDE: gl.constexpr = False, HOLE: gl.constexpr = False):
+                       PDL: gl.constexpr = False, SLIDE: gl.constexpr = False, HOLE: gl.constexpr = False,
+                       PF: gl.constexpr = 0):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -406,7 +431,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     the first key product does not wait on memory. PDL: launched as a programmatic dependent of the query
     rotation (or, on one stream, the window programs): q̃ is read after _grid_wait. SLIDE: a window's store, its
     rows a ring of T (kvstore.window_cache); HOLE: one with keys per channel, whose expired rows
-    (decode.expired_rows) are masked in the tiles that hold them."""
+    (decode.expired_rows) are masked in the tiles that hold them. PF > 0: during tile t0 the program hints tile
+    t0 + PF·64 of its rows into L2 (prefetch, no registers held; decode.prefetch_tiles)."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -585,6 +611,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         z_next = _load_block(kz + (first // TB) * D, D)
     if KEYS_AHEAD:
         k_next = _load_keys(kw, first, koff, KW, D)
+    for i in gl.static_range(1, PF):
+        if start + i * BLOCK_N < end:
+            _prefetch_tile(kw, vh, ksc, kz, vsc, vz, start + i * BLOCK_N, D, NGK, NGV, TB)
     if STAGES > 0:
         # The ring, rows in tile-row order: keys [m, word] (token σ(m)); values [32·(2e + B) + u, a] = half
         # 8B + a of tile row 2u + e; metadata [8·array + g, j] = word j of tokens 8g .. 8g + 7. Every read
@@ -615,6 +644,9 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             async_copy.commit_group()
     for t0 in range(start, end, BLOCK_N):
         # Rows up to t0 + BLOCK_N exist (T is a multiple of BLOCK_N): loads unmasked, scores masked.
+        if PF > 0:
+            if t0 + PF * BLOCK_N < end:
+                _prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0 + PF * BLOCK_N, D, NGK, NGV, TB)
         if STAGES > 0:
             it = (t0 - start) // BLOCK_N
             async_copy.wait_group(STAGES - 2)
