@@ -268,6 +268,7 @@ def _prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0, D: gl.constexpr, NGK: gl.conste
                     gl.where(i < 2 * LINES, vh.to(gl.int64) + t * (D // 4) + 128 * (i - LINES), meta))
     gl.inline_asm_elementwise(_PREFETCH, "=r,l", [addr], dtype=gl.int32, is_pure=False, pack=1)
 
+
 @gluon.jit
 def _rowsum(x):
     """[64, R] -> [8, R]: the sum over each thread's own rows m = g + 8j (over j, no lane crossing)."""
@@ -611,6 +612,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         z_next = _load_block(kz + (first // TB) * D, D)
     if KEYS_AHEAD:
         k_next = _load_keys(kw, first, koff, KW, D)
+    # Tiles 1 .. PF − 1 of the program's rows hinted now; the loop hints tile t0 + PF·64 during tile t0.
     for i in gl.static_range(1, PF):
         if start + i * BLOCK_N < end:
             _prefetch_tile(kw, vh, ksc, kz, vsc, vz, start + i * BLOCK_N, D, NGK, NGV, TB)
