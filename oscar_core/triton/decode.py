@@ -432,7 +432,7 @@ def _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG: tl.constexpr, D: 
 
 @triton.jit
 def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.constexpr, D: tl.constexpr,
-           QP: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr, F32: tl.constexpr):
+           QP: tl.constexpr, SB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MEAN: tl.constexpr):
     """o = (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s)·R_V^T + μ_V for the HG heads of (sequence, KV head) bh,
     SB splits per step merged with a running max; splits with l_s = 0 (empty) are skipped unread.
     The partials were written by other programs: loaded past L1 (.cg)."""
@@ -445,10 +445,8 @@ def _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG: tl.
     for e0 in tl.static_range(0, D, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])
-        if F32:
-            y = tl.dot(o, rvt)
-        else:
-            y = tl.dot(o, rvt, input_precision="tf32")
+        # In float32 (not TF32: the output can be a small difference of large terms; kernel_notes.md v24).
+        y = tl.dot(o, rvt, input_precision="ieee")
         if HAS_MEAN:
             y += tl.load(mean_ptr + h * D + e)[None, :]
         tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], y.to(out_ptr.dtype.element_ty),
@@ -520,8 +518,7 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
         if done == NS - 1:
-            _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG, D, QP, SB, BLOCK_E, HAS_MEAN,
-                   F32)
+            _merge(po_ptr, pm_ptr, pl_ptr, rv_ptr, mean_ptr, out_ptr, bh, h, NS, HG, D, QP, SB, BLOCK_E, HAS_MEAN)
             tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
 
 
@@ -547,11 +544,13 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     c = c0 + tl.arange(0, BLOCK_C)
     e = tl.arange(0, D)
     base = bh * NS * HG
-    rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])       # R_V[e, c] as [c, e]
+    # R_V[e, c] as [1, c, e], loaded in three dimensions: from an expanded [c, e] tile triton rewrites the
+    # product below as a TF32 tensor-core dot once there are 16 head rows (kernel_notes.md v24).
+    rvt = tl.load(rv_ptr + h * D * D + e[None, None, :] * D + c[None, :, None])
     if PDL:
         gdc_wait()
     o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
-    y = tl.sum(o[:, :, None] * rvt[None, :, :], axis=1)
+    y = tl.sum(o[:, :, None] * rvt, axis=1)
     ys = py_ptr + (bh * (D // BLOCK_C) * HGP + r[:, None]) * D + e[None, :]
     tl.store(ys + j * HGP * D, y)
     # Every thread's share is stored before the counter moves (barrier, then a release at GPU scope).
@@ -584,8 +583,8 @@ def _rotate_kernel(q_ptr, rk_ptr, out_ptr, HKV: tl.constexpr, HG: tl.constexpr, 
     e = e0 + tl.arange(0, BLOCK_E)
     rows = (bh * HG + r)[:, None]
     q = tl.load(q_ptr + rows * D + c[None, :], mask=(r < HG)[:, None], other=0.0).to(tl.float32)
-    rot = tl.load(rk_ptr + h * D * D + c[:, None] * D + e[None, :])
-    y = tl.sum(q[:, :, None] * rot[None, :, :], axis=1)
+    rot = tl.load(rk_ptr + h * D * D + c[None, :, None] * D + e[None, None, :])     # [1, c, e]: as in _reduce_kernel
+    y = tl.sum(q[:, :, None] * rot, axis=1)
     tl.store(out_ptr + rows * D + e[None, :], y.to(tl.bfloat16), mask=(r < HG)[:, None])
 
 
