@@ -601,7 +601,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         o3 = o_zero
     # Keys per channel: the block's scale and zero codes are loaded a tile ahead (loop-carried words) where the
     # registers allow: ahead, 8 heads at head_dim 128 take 225 registers (8 programs a multiprocessor), with
-    # the tile 168 (12), 4-6% faster; 4 heads and head_dim 64 run faster ahead (H100, kernel_notes.md v14).
+    # the tile 168 (12), 4-6% faster (with the next tile hinted into L2, PF, the in-tile loop takes 223 and runs faster
+    # still: decode.prefetch_tiles); 4 heads and head_dim 64 run faster ahead (H100, kernel_notes.md v14).
     # At head_dim 256 a block's codes are two halves of 128 channels (DH), each read as head_dim 128 reads its.
     DH: gl.constexpr = 128 if D == 256 else D
     CODES_AHEAD: gl.constexpr = (R4 == 4 and D <= 128) or D == 64
