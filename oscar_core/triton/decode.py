@@ -544,9 +544,12 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     c = c0 + tl.arange(0, BLOCK_C)
     e = tl.arange(0, D)
     base = bh * NS * HG
-    # R_V[e, c] as [1, c, e], loaded in three dimensions: from an expanded [c, e] tile triton rewrites the
-    # product below as a TF32 tensor-core dot once there are 16 head rows (kernel_notes.md v24).
-    rvt = tl.load(rv_ptr + h * D * D + e[None, None, :] * D + c[None, :, None])
+    # R_V[e, c] as [1, c, e]. From 16 head rows it is loaded in three dimensions: from an expanded [c, e] tile
+    # triton 3.6 rewrites the product below as a TF32 tensor-core dot there (kernel_notes.md v24).
+    if HGP >= 16:
+        rvt = tl.load(rv_ptr + h * D * D + e[None, None, :] * D + c[None, :, None])
+    else:
+        rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])[None, :, :]
     if PDL:
         gdc_wait()
     o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
@@ -583,7 +586,10 @@ def _rotate_kernel(q_ptr, rk_ptr, out_ptr, HKV: tl.constexpr, HG: tl.constexpr, 
     e = e0 + tl.arange(0, BLOCK_E)
     rows = (bh * HG + r)[:, None]
     q = tl.load(q_ptr + rows * D + c[None, :], mask=(r < HG)[:, None], other=0.0).to(tl.float32)
-    rot = tl.load(rk_ptr + h * D * D + c[None, :, None] * D + e[None, None, :])     # [1, c, e]: as in _reduce_kernel
+    if HGP >= 16:       # [1, c, e]: loaded in three dimensions as in _reduce_kernel
+        rot = tl.load(rk_ptr + h * D * D + c[None, :, None] * D + e[None, None, :])
+    else:
+        rot = tl.load(rk_ptr + h * D * D + c[:, None] * D + e[None, :])[None, :, :]
     y = tl.sum(q[:, :, None] * rot, axis=1)
     tl.store(out_ptr + rows * D + e[None, :], y.to(tl.bfloat16), mask=(r < HG)[:, None])
 
