@@ -523,6 +523,17 @@ def _split_kernel(q_ptr, rk_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr
 
 
 @triton.jit
+def _factor_tile(ptr, a_off, b_off, WIDE: tl.constexpr):
+    """ptr[a_off[i] + b_off[j]] as [1, A, B]: the right factor of a float32 product x[:, :, None]·tile summed over
+    A. WIDE (x has 16 rows or more): loaded in three dimensions, since from an expanded 2-D tile triton 3.6 rewrites
+    that product as a TF32 tensor-core dot (kernel_notes.md v24); narrower, as a 2-D tile (the code measured)."""
+    if WIDE:
+        return tl.load(ptr + a_off[None, :, None] + b_off[None, None, :])
+    else:
+        return tl.load(ptr + a_off[:, None] + b_off[None, :])[None, :, :]
+
+
+@triton.jit
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
                    HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
                    SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr, PDL: tl.constexpr,
@@ -544,12 +555,7 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     c = c0 + tl.arange(0, BLOCK_C)
     e = tl.arange(0, D)
     base = bh * NS * HG
-    # R_V[e, c] as [1, c, e]. From 16 head rows it is loaded in three dimensions: from an expanded [c, e] tile
-    # triton 3.6 rewrites the product below as a TF32 tensor-core dot there (kernel_notes.md v24).
-    if HGP >= 16:
-        rvt = tl.load(rv_ptr + h * D * D + e[None, None, :] * D + c[None, :, None])
-    else:
-        rvt = tl.load(rv_ptr + h * D * D + e[None, :] * D + c[:, None])[None, :, :]
+    rvt = _factor_tile(rv_ptr + h * D * D, c, e * D, HGP >= 16)        # R_V[e, c] as [1, c, e]
     if PDL:
         gdc_wait()
     o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
@@ -586,10 +592,7 @@ def _rotate_kernel(q_ptr, rk_ptr, out_ptr, HKV: tl.constexpr, HG: tl.constexpr, 
     e = e0 + tl.arange(0, BLOCK_E)
     rows = (bh * HG + r)[:, None]
     q = tl.load(q_ptr + rows * D + c[None, :], mask=(r < HG)[:, None], other=0.0).to(tl.float32)
-    if HGP >= 16:       # [1, c, e]: loaded in three dimensions as in _reduce_kernel
-        rot = tl.load(rk_ptr + h * D * D + c[None, :, None] * D + e[None, None, :])
-    else:
-        rot = tl.load(rk_ptr + h * D * D + c[:, None] * D + e[None, :])[None, :, :]
+    rot = _factor_tile(rk_ptr + h * D * D, c * D, e, HGP >= 16)        # R_K[c, e] as [1, c, e]
     y = tl.sum(q[:, :, None] * rot, axis=1)
     tl.store(out_ptr + rows * D + e[None, :], y.to(tl.bfloat16), mask=(r < HG)[:, None])
 

@@ -253,7 +253,7 @@ def _prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0, D: gl.constexpr, NGK: gl.conste
     """Hint tile t0's bytes into L2, holding no register: its key words and value codes (D/4 bytes a row each, 64
     rows contiguous: D/8 lines of 128 bytes each) and the first line of each scale and zero array's."""
     LINES: gl.constexpr = D // 8
-    NL: gl.constexpr = 32 if D == 64 else 2 * D // 4
+    NL: gl.constexpr = D // 2       # at least 2·LINES + 4 lanes' addresses, whole warps
     i = gl.arange(0, NL, layout=gl.BlockedLayout([NL // 32], [32], [1], [0])).to(gl.int64)
     t = t0.to(gl.int64)
     j = (i - 2 * LINES) % 4
@@ -613,10 +613,6 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         z_next = _load_block(kz + (first // TB) * D, D)
     if KEYS_AHEAD:
         k_next = _load_keys(kw, first, koff, KW, D)
-    # Tiles 1 .. PF − 1 of the program's rows hinted now; the loop hints tile t0 + PF·64 during tile t0.
-    for i in gl.static_range(1, PF):
-        if start + i * BLOCK_N < end:
-            _prefetch_tile(kw, vh, ksc, kz, vsc, vz, start + i * BLOCK_N, D, NGK, NGV, TB)
     if STAGES > 0:
         # The ring, rows in tile-row order: keys [m, word] (token σ(m)); values [32·(2e + B) + u, a] = half
         # 8B + a of tile row 2u + e; metadata [8·array + g, j] = word j of tokens 8g .. 8g + 7. Every read
