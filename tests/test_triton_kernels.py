@@ -469,14 +469,17 @@ def test_resident_warps_count_each_schedulers_registers(regs, shared, expect):
     (32, 2, 256, 128, "channel", None, dict(HG=16, R4=4, HT=4, NGK=1, NGV=2, TB=128, KEYS_AHEAD=False)),
     # Value codes in tiles (the default layout): keys ahead also in the 8-head programs with keys per token or at
     # head_dim 64, and at head_dim 256 with keys per channel; still not in Qwen3-8B's 128-register program.
-    (32, 8, 128, 64, "token", None, dict(R4=4, VT=True, STAGES=0, MASK_ALL=False, KEYS_AHEAD=False, layout="tiles")),
+    (32, 8, 128, 64, "token", None, dict(R4=4, VT=True, STAGES=0, MASK_ALL=False, KEYS_AHEAD=False, STRIDED=True,
+                                         layout="tiles")),
     (32, 8, 128, 64, "channel", None, dict(R4=4, VT=True, MASK_ALL=False, KEYS_AHEAD=True, layout="tiles")),
     (40, 8, 128, 64, "token", None, dict(R4=8, VT=True, KEYS_AHEAD=True, layout="tiles")),
-    (14, 2, 64, 64, "channel", 8, dict(R4=8, VT=True, KEYS_AHEAD=True, PF=1, layout="tiles")),
-    (64, 8, 128, 64, "channel", None, dict(R4=8, VT=True, KEYS_AHEAD=False, PF=1, layout="tiles")),
-    (32, 8, 128, 64, "channel", None, dict(R4=4, VT=True, PF=0, layout="tiles")),
-    (64, 8, 128, 64, "token", None, dict(R4=8, VT=True, PF=0, layout="tiles")),
-    (32, 2, 256, 128, "channel", None, dict(R4=4, HT=4, VT=True, KEYS_AHEAD=True, PF=0, layout="tiles")),
+    (14, 2, 64, 64, "channel", 8, dict(R4=8, VT=True, KEYS_AHEAD=True, PF=1, STRIDED=True, layout="tiles")),
+    (64, 8, 128, 64, "channel", None, dict(R4=8, VT=True, KEYS_AHEAD=False, PF=1, STRIDED=False, layout="tiles")),
+    (32, 8, 128, 64, "channel", None, dict(R4=4, VT=True, PF=0, STRIDED=False, layout="tiles")),
+    (64, 8, 128, 64, "token", None, dict(R4=8, VT=True, PF=0, STRIDED=False, layout="tiles")),
+    (32, 2, 256, 128, "channel", None, dict(R4=4, HT=4, VT=True, KEYS_AHEAD=True, PF=0, STRIDED=False,
+                                            layout="tiles")),
+    (32, 8, 128, 64, "token", None, dict(R4=4, STAGES=0, STRIDED=False)),      # value codes in rows
 ])
 def test_gluon_programs_cover_a_kv_heads_query_heads(heads, kv_heads, d, group, axis, per_program, expect):
     """Each KV head's HG query heads go to HT programs of R4 heads (R4·HT ≥ HG > R4·(HT − 1)), the groups
@@ -485,7 +488,9 @@ def test_gluon_programs_cover_a_kv_heads_query_heads(heads, kv_heads, d, group, 
     token (elsewhere only a program's last tile, measured faster); key words a tile ahead only in 4-head
     programs, but not the 128-register one with two key groups a token nor head_dim 256 with keys per channel
     (value codes in rows; in tiles, the rule of decode.keys_ahead); the next tile hinted into L2 only with keys
-    per channel in the 8-head programs at head_dim 128 and at head_dim 64 (decode.prefetch_tiles)."""
+    per channel in the 8-head programs at head_dim 128 and at head_dim 64 (decode.prefetch_tiles); tiles strided
+    over a sequence's splits at head_dim 64 and in the 4-head programs with keys per token at 128
+    (decode.strided_tiles)."""
     expect = dict(expect)
     layout = expect.pop("layout", "rows")
     cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis, value_layout=layout)

@@ -739,11 +739,13 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     ngv = head_dim // cache.value_group_size
     tiles = cache.value_tiles
     ring = head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4 and not tiles
+    stages = _gluon().STAGES if ring else 0
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
-                BLOCK_N=64, STAGES=_gluon().STAGES if ring else 0, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
+                BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
                 D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv, tiles),
                 KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles, SLIDE=cache.window is not None,
-                HOLE=hole(cache), PF=prefetch_tiles(head_dim, r4, tb))
+                HOLE=hole(cache), PF=prefetch_tiles(head_dim, r4, tb),
+                STRIDED=stages == 0 and strided_tiles(head_dim, r4, tb, tiles))
 
 
 def hole(cache: Int2KVCache) -> bool:
@@ -789,6 +791,21 @@ def prefetch_tiles(head_dim: int, heads_per_program: int, token_block: int) -> i
     if token_block > 1 and (head_dim == 64 or (head_dim == 128 and heads_per_program == 8)):
         return 1
     return 0
+
+
+def strided_tiles(head_dim: int, heads_per_program: int, token_block: int, value_tiles: bool = True) -> bool:
+    """Whether Gluon split i of the A that have rows takes tiles i, i + A, i + 2A, ... (decode_gluon's STRIDED)
+    rather than a chunk of consecutive ones. A read-only loop over the store with the same grid reads 1-2.5%
+    faster strided (neighbouring programs on neighbouring tiles: bench/read_ceiling.py, H100, 100K, batch 1 / 8 /
+    32), and ptxas schedules the loop differently. H100, graph, best of 3 interleaved, chunks / strided (ms,
+    kernel_notes.md v25): Qwen3-8B keys per token 100K x 8 0.2124 / 0.2081, 100K x 1 0.0492 / 0.0479, 32K x 8
+    0.0928 / 0.0911, 100K x 32 0.7664 / 0.7643, with groups of 128 0.1939 / 0.1886, MHA 0.7416 / 0.7359; at
+    head_dim 64 Llama-3.2-1B 0.1188 / 0.1163, SmolLM2 (keys per channel) 0.0578 / 0.0564, Qwen2.5-0.5B 0.0546 /
+    0.0540. Elsewhere it ties or loses: the 8-head programs at head_dim 128 (GQA 5 with keys
+    per channel 0.2601 / 0.2767, GQA 7 0.1452 / 0.1512, GQA 8 keys per token 0.2382 / 0.2418), Qwen3-8B with keys
+    per channel, GQA 16 and head_dim 256 within 0.7%. Measured with the value codes in tiles (the default layout)
+    only: with them in rows the 4-head program at head_dim 128 spills 8 bytes strided, so there it stays off."""
+    return value_tiles and (head_dim == 64 or (head_dim == 128 and heads_per_program == 4 and token_block == 1))
 
 
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:

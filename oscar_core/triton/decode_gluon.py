@@ -415,7 +415,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
                        MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr,
                        PDL: gl.constexpr = False, SLIDE: gl.constexpr = False, HOLE: gl.constexpr = False,
-                       PF: gl.constexpr = 0):
+                       PF: gl.constexpr = 0, STRIDED: gl.constexpr = False):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -432,8 +432,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     the first key product does not wait on memory. PDL: launched as a programmatic dependent of the query
     rotation (or, on one stream, the window programs): q̃ is read after _grid_wait. SLIDE: a window's store, its
     rows a ring of T (kvstore.window_cache); HOLE: one with keys per channel, whose expired rows
-    (decode.expired_rows) are masked in the tiles that hold them. PF > 0: during tile t0 the program hints tile
-    t0 + PF·64 of its rows into L2 (prefetch, no registers held; decode.prefetch_tiles)."""
+    (decode.expired_rows) are masked in the tiles that hold them. PF > 0: during each tile the program hints its tile PF
+    later into L2 (prefetch, no registers held; decode.prefetch_tiles). STRIDED: split i of the A = ⌈n_int2 /
+    chunk⌉ splits that have rows takes tiles i, i + A, i + 2A, ... rather than a chunk of consecutive ones (as
+    many tiles; not with the ring; decode.strided_tiles)."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -471,6 +473,13 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
     start = (sid - NW) * chunk
     end = gl.minimum(start + chunk, n_int2)
+    step = BLOCK_N
+    if STRIDED:
+        gl.static_assert(STAGES == 0)
+        active = gl.cdiv(n_int2, chunk)
+        step = gl.maximum(active, 1) * BLOCK_N
+        start = gl.where(sid - NW < active, (sid - NW) * BLOCK_N, n_int2)
+        end = n_int2
 
     # Query operands Q̂_o [κ, column] = q̃[r, c_o(κ)]·4^-ρ, loop invariant. Keys per token at 4 heads a
     # program: column 2r + g, zero unless channel c_o(κ) is in group g (a thread's two score columns are the
@@ -641,11 +650,11 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             if start + i * BLOCK_N < end:
                 _issue(ksm, vsm, msm, i, kw, vh, mp, start + i * BLOCK_N, kc, vc)
             async_copy.commit_group()
-    for t0 in range(start, end, BLOCK_N):
+    for t0 in range(start, end, step):
         # Rows up to t0 + BLOCK_N exist (T is a multiple of BLOCK_N): loads unmasked, scores masked.
         if PF > 0:
-            if t0 + PF * BLOCK_N < end:
-                _prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0 + PF * BLOCK_N, D, NGK, NGV, TB)
+            if t0 + PF * step < end:
+                _prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0 + PF * step, D, NGK, NGV, TB)
         if STAGES > 0:
             it = (t0 - start) // BLOCK_N
             async_copy.wait_group(STAGES - 2)
@@ -660,7 +669,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
         elif KEYS_AHEAD:
             cur = k_next + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
-            k_next = _load_keys(kw, gl.minimum(t0 + BLOCK_N, T - BLOCK_N), koff, KW, D)
+            k_next = _load_keys(kw, gl.minimum(t0 + step, T - BLOCK_N), koff, KW, D)
         else:
             cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
         kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb = cur
@@ -682,7 +691,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                 z2, z3 = _block_codes(_load_block(kz + (t0 // TB) * D + 128, DH), gl.SliceLayout(1, b_op), DH, True)
             if CODES_AHEAD:
                 # The next tile's block codes (the last tile reloads a block in the store).
-                blk = (gl.minimum(t0 + BLOCK_N, T - BLOCK_N) // TB) * D
+                blk = (gl.minimum(t0 + step, T - BLOCK_N) // TB) * D
                 sc_next = _load_block(ksc + blk, D)
                 z_next = _load_block(kz + blk, D)
             # The score offset Σ_κ q̂_κ·(4^ρ·z_c/4 − 128) by the tensor cores: rows 0-7 of the [16, 8] product
