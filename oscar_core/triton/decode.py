@@ -4,9 +4,10 @@ Program (s, b·H_kv + h) of the split kernel attends the HG = H/H_kv query heads
 (stacked as the rows of the tensor-core products) over one slice of sequence b: splits s < NW take
 BLOCK_W tokens each of the BF16 sink and recent windows (one tile per program), splits s ≥ NW share
 the INT2 rows of sequence b in chunks of whole tiles sized by b's own length (so the grid never
-depends on the data). Each writes the unnormalized output, the running max m and the sum l of its
-slice; the merge combines the slices with a running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s,
-and returns to original space, o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
+depends on the data; decode_gluon's programs, where strided_tiles says, take as many tiles strided over
+the splits). Each writes the unnormalized output, the running max m and the sum l of its slice; the
+merge combines the slices with a running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, and returns
+to original space, o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
 Default: three launches (_rotate_kernel for q̃ = q·R_K in bf16, _split_kernel, _reduce_kernel), four
 where decode_gluon's programs take the INT2 rows and _split_kernel only the windows (inside a CUDA graph
 the two run side by side). _reduce_kernel merges each block of columns once, each program applies its
@@ -801,10 +802,10 @@ def strided_tiles(head_dim: int, heads_per_program: int, token_block: int, value
     kernel_notes.md v25): Qwen3-8B keys per token 100K x 8 0.2124 / 0.2081, 100K x 1 0.0492 / 0.0479, 32K x 8
     0.0928 / 0.0911, 100K x 32 0.7664 / 0.7643, with groups of 128 0.1939 / 0.1886, MHA 0.7416 / 0.7359; at
     head_dim 64 Llama-3.2-1B 0.1188 / 0.1163, SmolLM2 (keys per channel) 0.0578 / 0.0564, Qwen2.5-0.5B 0.0546 /
-    0.0540. Elsewhere it ties or loses: the 8-head programs at head_dim 128 (GQA 5 with keys
-    per channel 0.2601 / 0.2767, GQA 7 0.1452 / 0.1512, GQA 8 keys per token 0.2382 / 0.2418), Qwen3-8B with keys
-    per channel, GQA 16 and head_dim 256 within 0.7%. Measured with the value codes in tiles (the default layout)
-    only: with them in rows the 4-head program at head_dim 128 spills 8 bytes strided, so there it stays off."""
+    0.0540. Elsewhere it ties or loses: the 8-head programs at head_dim 128 (GQA 5 with keys per channel 0.2601 /
+    0.2767, GQA 7 0.1452 / 0.1512, GQA 8 keys per token 0.2382 / 0.2418), Qwen3-8B with keys per channel, GQA 16
+    and head_dim 256 within 0.7%. Measured with the value codes in tiles (the default layout) only: with them in
+    rows the 4-head program at head_dim 128 spills 8 bytes strided, so there it stays off."""
     return value_tiles and (head_dim == 64 or (head_dim == 128 and heads_per_program == 4 and token_block == 1))
 
 

@@ -432,10 +432,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     the first key product does not wait on memory. PDL: launched as a programmatic dependent of the query
     rotation (or, on one stream, the window programs): q̃ is read after _grid_wait. SLIDE: a window's store, its
     rows a ring of T (kvstore.window_cache); HOLE: one with keys per channel, whose expired rows
-    (decode.expired_rows) are masked in the tiles that hold them. PF > 0: during each tile the program hints its tile PF
-    later into L2 (prefetch, no registers held; decode.prefetch_tiles). STRIDED: split i of the A = ⌈n_int2 /
-    chunk⌉ splits that have rows takes tiles i, i + A, i + 2A, ... rather than a chunk of consecutive ones (as
-    many tiles; not with the ring; decode.strided_tiles)."""
+    (decode.expired_rows) are masked in the tiles that hold them. PF > 0: during each tile the program hints the
+    one PF tiles after it into L2 (prefetch, no registers held; decode.prefetch_tiles). STRIDED: split i of the
+    A = ⌈n_int2 / chunk⌉ splits that have rows takes tiles i, i + A, i + 2A, ... rather than a chunk of
+    consecutive ones (as many tiles; not with the ring; decode.strided_tiles)."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
