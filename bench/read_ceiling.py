@@ -27,8 +27,9 @@ TILES = 1557            # 64-token tiles of a 100K sequence past its 320 BF16 wi
 
 
 @triton.jit
-def _read_store(kc, vc, ks, kz, vs, vz, out, T, TPP, AHEAD: tl.constexpr):
-    """Program (s, p) XORs tiles [s·TPP, (s + 1)·TPP) of pair p from the store's six arrays, AHEAD at a time."""
+def _read_tiles(kc, vc, ks, kz, vs, vz, buf, out, T, TPP, CHUNKS: tl.constexpr, AHEAD: tl.constexpr):
+    """Program (s, p) XORs tiles [s·TPP, (s + 1)·TPP) of pair p, AHEAD at a time: from the store's six arrays, or
+    (CHUNKS) from one buffer holding each tile's bytes as one 4,608-byte chunk."""
     s = tl.program_id(0)
     p = tl.program_id(1)
     w = tl.arange(0, 512)
@@ -38,31 +39,18 @@ def _read_store(kc, vc, ks, kz, vs, vz, out, T, TPP, AHEAD: tl.constexpr):
     t0 = s * TPP
     for t in range(t0, t0 + TPP, AHEAD):
         for a in tl.static_range(AHEAD):
-            tok = (t + a) * 64
-            acc ^= tl.load(kc + (p * T + tok) * 8 + w)
-            acc ^= tl.load(vc + (p * T + tok) * 8 + w)
-            mo = (p * T + tok) // 2 + m
-            accm ^= tl.load(ks + mo) ^ tl.load(kz + mo) ^ tl.load(vs + mo) ^ tl.load(vz + mo)
-    tl.store(out + (p * tl.num_programs(0) + s), tl.sum(acc, 0) ^ tl.sum(accm, 0))
-
-
-@triton.jit
-def _read_chunks(buf, out, T, TPP, AHEAD: tl.constexpr):
-    """_read_store over one buffer holding each tile's bytes as one 4,608-byte chunk."""
-    s = tl.program_id(0)
-    p = tl.program_id(1)
-    w = tl.arange(0, 512)
-    m = tl.arange(0, 32)
-    acc = tl.zeros([512], tl.int32)
-    accm = tl.zeros([32], tl.int32)
-    t0 = s * TPP
-    for t in range(t0, t0 + TPP, AHEAD):
-        for a in tl.static_range(AHEAD):
-            base = (p * (T // 64) + t + a) * 1152
-            acc ^= tl.load(buf + base + w)
-            acc ^= tl.load(buf + base + 512 + w)
-            accm ^= tl.load(buf + base + 1024 + m) ^ tl.load(buf + base + 1056 + m) ^ tl.load(buf + base + 1088 + m) \
-                ^ tl.load(buf + base + 1120 + m)
+            if CHUNKS:
+                base = (p * (T // 64) + t + a) * 1152
+                acc ^= tl.load(buf + base + w)
+                acc ^= tl.load(buf + base + 512 + w)
+                accm ^= tl.load(buf + base + 1024 + m) ^ tl.load(buf + base + 1056 + m) \
+                    ^ tl.load(buf + base + 1088 + m) ^ tl.load(buf + base + 1120 + m)
+            else:
+                tok = (t + a) * 64
+                acc ^= tl.load(kc + (p * T + tok) * 8 + w)
+                acc ^= tl.load(vc + (p * T + tok) * 8 + w)
+                mo = (p * T + tok) // 2 + m
+                accm ^= tl.load(ks + mo) ^ tl.load(kz + mo) ^ tl.load(vs + mo) ^ tl.load(vz + mo)
     tl.store(out + (p * tl.num_programs(0) + s), tl.sum(acc, 0) ^ tl.sum(accm, 0))
 
 
@@ -104,10 +92,9 @@ def layouts():
         for warps in (1, 2):
             for ahead in (1, 2) if tpp % 2 == 0 else (1,):
                 for stages in (1, 3):
-                    a = graph_bench(lambda: _read_store[(nprog, pairs)](kc, vc, *meta, out, T, tpp, AHEAD=ahead,
-                                                                        num_warps=warps, num_stages=stages))
-                    b = graph_bench(lambda: _read_chunks[(nprog, pairs)](buf, out, T, tpp, AHEAD=ahead,
-                                                                         num_warps=warps, num_stages=stages))
+                    a, b = (graph_bench(lambda: _read_tiles[(nprog, pairs)](
+                        kc, vc, *meta, buf, out, T, tpp, CHUNKS=chunks, AHEAD=ahead, num_warps=warps,
+                        num_stages=stages)) for chunks in (False, True))
                     print(f"{label} ({nprog} x {pairs}, {tpp} tiles) warps {warps} ahead {ahead} stages {stages}: "
                           f"store layout {a * 1e3:.1f} us {nbytes / a / 1e9:.2f} TB/s; contiguous {b * 1e3:.1f} us "
                           f"{nbytes / b / 1e9:.2f} TB/s", flush=True)
