@@ -37,8 +37,7 @@ const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128, VT=False, P
 const["MASK_ALL"] = decode.mask_every_tile(const["D"], const["R4"], const["NGV"], const.get("VT", False))
 const["KEYS_AHEAD"] = decode.keys_ahead(const["D"], const["R4"], const["TB"], const["NGK"], const.get("VT", False))
 const.setdefault("PF", decode.prefetch_tiles(const["D"], const["R4"], const["TB"]))
-const.setdefault("STRIDED", const["STAGES"] == 0 and decode.strided_tiles(const["D"], const["R4"], const["TB"],
-                                                                             const["VT"]))
+const.setdefault("STRIDED", decode.strided_tiles(const["D"], const["R4"], const["TB"], const["VT"]))
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32")
 sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}

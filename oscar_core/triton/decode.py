@@ -740,13 +740,12 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
     ngv = head_dim // cache.value_group_size
     tiles = cache.value_tiles
     ring = head_dim == 128 and tb == 1 and ngk == ngv == 2 and r4 == 4 and not tiles
-    stages = _gluon().STAGES if ring else 0
     return dict(HKV=kv_heads, HG=hg, R4=r4, S=cache.sink_tokens, W=cache.recent_tokens, NW=window_programs,
-                BLOCK_N=64, STAGES=stages, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
+                BLOCK_N=64, STAGES=_gluon().STAGES if ring else 0, NGK=ngk, NGV=ngv, TB=tb, HT=-(-hg // r4),
                 D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv, tiles),
                 KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles, SLIDE=cache.window is not None,
                 HOLE=hole(cache), PF=prefetch_tiles(head_dim, r4, tb),
-                STRIDED=stages == 0 and strided_tiles(head_dim, r4, tb, tiles))
+                STRIDED=strided_tiles(head_dim, r4, tb, tiles))
 
 
 def hole(cache: Int2KVCache) -> bool:
@@ -805,7 +804,8 @@ def strided_tiles(head_dim: int, heads_per_program: int, token_block: int, value
     0.0540. Elsewhere it ties or loses: the 8-head programs at head_dim 128 (GQA 5 with keys per channel 0.2601 /
     0.2767, GQA 7 0.1452 / 0.1512, GQA 8 keys per token 0.2382 / 0.2418), Qwen3-8B with keys per channel, GQA 16
     and head_dim 256 within 0.7%. Measured with the value codes in tiles (the default layout) only: with them in
-    rows the 4-head program at head_dim 128 spills 8 bytes strided, so there it stays off."""
+    rows the 4-head program at head_dim 128 spills 8 bytes strided, so there it stays off (and the cp.async
+    ring, which reads rows only, never takes tiles strided)."""
     return value_tiles and (head_dim == 64 or (head_dim == 128 and heads_per_program == 4 and token_block == 1))
 
 

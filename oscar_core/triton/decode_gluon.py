@@ -471,15 +471,16 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         n_int2 = gl.minimum(n_int2, T)     # the ring's T rows hold its last T INT2 tokens
     chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
     chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
-    start = (sid - NW) * chunk
-    end = gl.minimum(start + chunk, n_int2)
-    step = BLOCK_N
     if STRIDED:
         gl.static_assert(STAGES == 0)
         active = gl.cdiv(n_int2, chunk)
-        step = gl.maximum(active, 1) * BLOCK_N
         start = gl.where(sid - NW < active, (sid - NW) * BLOCK_N, n_int2)
         end = n_int2
+        step = gl.maximum(active, 1) * BLOCK_N
+    else:
+        start = (sid - NW) * chunk
+        end = gl.minimum(start + chunk, n_int2)
+        step = BLOCK_N
 
     # Query operands Q̂_o [κ, column] = q̃[r, c_o(κ)]·4^-ρ, loop invariant. Keys per token at 4 heads a
     # program: column 2r + g, zero unless channel c_o(κ) is in group g (a thread's two score columns are the
