@@ -19,6 +19,9 @@ Arms, every one in this run, at each (context, batch) point:
                  static sliding layer rolls its whole buffer every step and cannot be captured)
   int2-eager     OscarCache("oscar") inside oscar_attention, eager decode steps
   int2-graph     the same, each decode step one CUDA-graph replay (oscar_core.decode_graph)
+  int2-graph-absorbed  (--absorb-values) int2-graph with R_V and μ_V in v_proj / o_proj (oscar_core.absorb,
+                 OscarCache(values_absorbed=True)): run after every other arm, on the model changed in place
+                 (exact: the max-batch bf16-flash point, run after it, reads the same model)
 Long contexts are filled synthetically: random post-RoPE keys and values of `context` tokens written
 into each cache by its real write path (BF16: the cache's update; INT2: the Triton prefill kernel), then
 greedy decode steps run through the whole model (decode_graph.GreedyDecoder). Prefill through the model
@@ -146,7 +149,8 @@ def make_cache(arm: str, model, bundle, batch: int, context: int, steps: int):
             if arm == "bf16-flash" and getattr(cache.layers[i], "is_sliding", False):
                 cache.layers[i] = FlashRing(cache.layers[i].keys, cache.layers[i].values, context)
     else:
-        cache = OscarCache(bundle, "oscar", capacity=context + steps + 8, value_layout=VALUE_LAYOUT[0])
+        cache = OscarCache(bundle, "oscar", capacity=context + steps + 8, value_layout=VALUE_LAYOUT[0],
+                           values_absorbed=arm.endswith("absorbed"))
         for i in range(layers):
             cache.update(k, v, i)              # outside oscar_attention: written at once, write.prefill_kv
     torch.cuda.synchronize()
@@ -203,7 +207,7 @@ def attention_for(arm: str, model):
 def time_decode(model, cache, arm: str, batch: int, steps: int, warmup: int = 2) -> dict:
     """Mean ms per decode step over `steps` steps after warm-up (CUDA events around all of them)."""
     ids = torch.full((batch, 1), 11, dtype=torch.long, device="cuda")
-    graph = arm.endswith("graph") or arm in ("bf16-static", "bf16-flash")
+    graph = "graph" in arm or arm in ("bf16-static", "bf16-flash")
     with attention_for(arm, model), GreedyDecoder(model, cache, ids, max_new_tokens=steps + warmup + 4) as dec:
         if graph:
             dec.capture(warmup)
@@ -330,6 +334,8 @@ def main():
     p.add_argument("--key-axis", default="token", choices=("token", "channel"), help="the bundle's keys, every layer")
     p.add_argument("--quick", action="store_true",
                    help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill or max batch)")
+    p.add_argument("--absorb-values", action="store_true",
+                   help="also int2-graph-absorbed, after the other arms (the model's v_proj / o_proj changed in place)")
     p.add_argument("--value-layout", default=kvstore.DEFAULT_VALUE_LAYOUT, choices=kvstore.VALUE_LAYOUTS,
                    help="how the INT2 stores keep their value codes (kvstore.Int2KVCache)")
     args = p.parse_args()
@@ -358,14 +364,18 @@ def main():
         for arm in ("bf16-dynamic", "int2-eager"):
             res["prefill"].append(time_prefill(model, bundle, arm, context))
     res["points"] = []
-    for point in args.points.split(","):
-        context, batch = map(int, point.split("x"))
-        arms = ("bf16-dynamic", "int2-eager") if context <= 8192 else \
-            ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
-        if quick:
-            arms = ("bf16-flash", "int2-eager", "int2-graph")
-        for arm in arms:
-            res["points"].append(run_point(model, bundle, arm, batch, context, args.steps))
+    for absorbed in (False, True) if args.absorb_values else (False,):
+        if absorbed:
+            from oscar_core.absorb import absorb_value_rotation
+            absorb_value_rotation(model, bundle)
+        for point in args.points.split(","):
+            context, batch = map(int, point.split("x"))
+            arms = ("bf16-dynamic", "int2-eager") if context <= 8192 else \
+                ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
+            if quick:
+                arms = ("bf16-flash", "int2-eager", "int2-graph")
+            for arm in ("int2-graph-absorbed",) if absorbed else arms:
+                res["points"].append(run_point(model, bundle, arm, batch, context, args.steps))
     # The largest batch at this context that fits beside the weights (2 GiB kept for activations and work).
     budget = props.total_memory - weights - 2 * GIB
     plan = memory_plan(args.layers, kv_heads(args.model), head_dim(args.model),
@@ -374,7 +384,8 @@ def main():
     res["plan"] = plan | dict(budget_gib=budget / GIB)
     print(json.dumps(res["plan"]), flush=True)
     cap = args.max_batch_cap or 10 ** 9
-    for arm, batch in [] if quick else (("bf16-flash", min(cap, plan["bf16_max_batch"])), ("int2-graph", min(cap, plan["max_batch"]))):
+    int2 = "int2-graph-absorbed" if args.absorb_values else "int2-graph"
+    for arm, batch in [] if quick else (("bf16-flash", min(cap, plan["bf16_max_batch"])), (int2, min(cap, plan["max_batch"]))):
         done = [r for r in res["points"] if (r["arm"], r["batch"], r["context"]) == (arm, batch, args.max_batch_context)]
         if done:
             done[0]["max_batch"] = True

@@ -60,6 +60,8 @@ def main():
     p.add_argument("--key-axis", default="channel", choices=("token", "channel"))
     p.add_argument("--point", default=(32768, 8), type=point, help="context x batch, such as 32768x8")
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--absorb-values", action="store_true",
+                   help="then int2-graph-absorbed: R_V and μ_V in v_proj / o_proj (the model changed in place)")
     p.add_argument("--out", default="bench/results/step_profile.md")
     args = p.parse_args()
     layers = args.layers or serve.SHAPES[args.model]["layers"]
@@ -73,7 +75,10 @@ def main():
              f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; "
              f"random-initialised {args.model} shapes, {layers} layers, keys per {args.key_axis}, {context} x {batch}",
              f"- `bench/step_profile.py`: torch.profiler over {REPLAYS} CUDA-graph replays of one step; ms per step", ""]
-    for arm in ("int2-graph", "bf16-flash"):
+    for arm in ("int2-graph", "bf16-flash") + (("int2-graph-absorbed",) if args.absorb_values else ()):
+        if arm.endswith("absorbed"):
+            from oscar_core.absorb import absorb_value_rotation
+            absorb_value_rotation(model, bundle)
         times, counts = step_kernels(model, bundle, arm, batch, context)
         lines += [f"## {arm}: {sum(times.values()):.2f} ms of kernels a step, {sum(counts.values()):.0f} kernels", "",
                   "| ms / step | launches / step | kernel |", "|---|---|---|"]

@@ -58,7 +58,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from oscar_core import kvstore, methods
+from oscar_core import absorb, kvstore, methods
 from oscar_core.errors import OscarError
 from oscar_core.layers import LayerSpec, holds_int2, layer_specs, manifest_specs
 from oscar_core.statistics import route_attention
@@ -186,7 +186,7 @@ class OscarLayer(DynamicLayer):
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
                  query_heads: int | None = None, window: int | None = None,
-                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT, int2: bool = True):
+                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT, int2: bool = True, values_absorbed: bool = False):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.window = window        # a sliding layer's window: a window_cache, or SideStores trimmed to it
@@ -197,6 +197,7 @@ class OscarLayer(DynamicLayer):
         self.sequences = sequences or Sequences()
         self.kernel_writes = kernel_writes    # None: on CUDA
         self.value_layout = value_layout      # the INT2 store's value codes (kvstore.Int2KVCache)
+        self.values_absorbed = values_absorbed    # the model's weights hold R_V and μ_V (absorb.py)
         self.key_store = self.value_store = None    # SideStore mode (bf16, kivi)
         self.store: kvstore.Int2KVCache | None = None
         self.seen = 0
@@ -216,6 +217,8 @@ class OscarLayer(DynamicLayer):
         # A window kept in BF16 has no rotation in the bundle: stored as it comes (identity, no mean).
         lm = methods.layer_method(self.method if self.int2 else "int2", self.layer_idx, kv_heads, head_dim,
                                   self.bundle)
+        if self.values_absorbed and lm.value is not None:
+            lm.value = dataclasses.replace(lm.value, rotation=None, mean=None)
         problem = store_problem(lm, self.method)
         if problem is None and self.window is not None and self.int2:
             problem = window_problem(lm, self.window, self.recent_tokens)
@@ -241,6 +244,7 @@ class OscarLayer(DynamicLayer):
 
         (rk, mk, ck), (rv, mv, cv) = tensors(lm.key), tensors(lm.value)
         self.rotation = kvstore.LayerRotation(rk, rv, ck, cv, mk, mv)
+        self.value_identity = lm.value.rotation is None   # decode then leaves out õ·R_V^T
         self.group_sizes = (lm.key.group_size, lm.value.group_size)
         self.key_axis, self.token_block = lm.key.axis, lm.token_block
         self.shape = (kv_heads, head_dim)
@@ -377,8 +381,9 @@ class OscarLayer(DynamicLayer):
         from oscar_core.triton.decode import decode_attention
 
         r = self.rotation
-        return decode_attention(query.contiguous(), self.store, r.key_rotation, r.value_rotation, r.value_mean,
-                                scaling, max_length=self.sequences.max_length())
+        return decode_attention(query.contiguous(), self.store, r.key_rotation,
+                                None if self.value_identity else r.value_rotation, r.value_mean, scaling,
+                                max_length=self.sequences.max_length())
 
     def get_seq_length(self) -> int:
         if self.key_store is not None:
@@ -430,12 +435,15 @@ class OscarCache(Cache):
     kernel_writes: whether stores are written by the Triton kernel; None: on CUDA.
     value_layout: how the INT2 stores keep their value codes, "tiles" (the default) or "rows" (kvstore.Int2KVCache:
     the same bytes; in tiles the decode kernels read them with 16-byte loads, faster on every shape measured).
+    values_absorbed: the model's v_proj and o_proj hold the bundle's R_V and μ_V (absorb.absorb_value_rotation), so
+    values are stored as they come and read without õ·R_V^T; oscar_attention refuses a model and cache that
+    disagree on it.
     """
 
     def __init__(self, bundle=None, method: str = "oscar", num_layers: int | None = None, config=None,
                  sink_tokens: int | None = None, recent_tokens: int | None = None, kernel_reads: bool | None = None,
                  capacity: int | None = None, kernel_writes: bool | None = None,
-                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT):
+                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT, values_absorbed: bool = False):
         methods.check_method(method)
         if method == "oscar" and bundle is None:
             raise OscarError("OscarCache(method='oscar') needs a rotation bundle")
@@ -455,6 +463,7 @@ class OscarCache(Cache):
         sink = sink if sink_tokens is None else sink_tokens
         recent = recent if recent_tokens is None else recent_tokens
         self.method, self.kernel_reads, self.bundle = method, kernel_reads, bundle
+        self.values_absorbed = values_absorbed
         self.sequences = Sequences(capacity)
         if bundle is not None:
             query_heads, specs = bundle.manifest.model.num_heads, manifest_specs(bundle.manifest)
@@ -468,7 +477,7 @@ class OscarCache(Cache):
         super().__init__(layers=[
             state_layer() if not s.kv_cache else RingLayer(s.window) if ring[i] else
             OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, window=s.window,
-                       value_layout=value_layout, int2=not short[i])
+                       value_layout=value_layout, int2=not short[i], values_absorbed=values_absorbed)
             for i, s in enumerate(specs[:num_layers])])
 
     def reset(self) -> None:
@@ -708,6 +717,11 @@ def oscar_attention(model, cache: OscarCache):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    held = getattr(model.config, absorb.MARK, None)
+    if bool(held) != cache.values_absorbed:
+        raise OscarError(f"the model's weights hold R_V of {held}: make the cache with values_absorbed=True" if held
+                         else "the cache has values_absorbed=True but the model's weights do not hold R_V "
+                              "(absorb.absorb_value_rotation)")
     use = cache.kernel_reads if cache.kernel_reads is not None else model.device.type == "cuda"
     if not use:
         yield

@@ -167,7 +167,8 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
               'r_k = bundle.layer(0, "key_rotation")       # [kv_heads, head_dim, head_dim]',
               "```", "",
               "R_K is orthogonal, so q·k = (q·R_K)·(k·R_K): the read path rotates each query once and attends to",
-              "the stored keys as they are. R_V can be folded into the value and output projections."]
+              "the stored keys as they are. R_V can be folded into the value and output projections:",
+              "`oscar_core.absorb.absorb_value_rotation(model, bundle)`, then `OscarCache(bundle, values_absorbed=True)`."]
     export = "oscar upstream export oscar-bundle --out rotations --clips upstream" + (
         "" if _carries_eigenvalues(manifest) else " --calibration CALIBRATION_DIR")
     group = min(128, manifest.model.head_dim)

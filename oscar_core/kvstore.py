@@ -500,12 +500,12 @@ def rotate_query(q: torch.Tensor, key_rotation: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention_reference(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
-                               value_rotation: torch.Tensor, value_mean: torch.Tensor | None,
+                               value_rotation: torch.Tensor | None, value_mean: torch.Tensor | None,
                                scaling: float) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, H, d] original space, over the whole cache.
 
-    o[b, j] = softmax(scaling · q̃[b, j]·K̃_b^T)·Ṽ_b·R_V[h]^T + μ_V[h], h = j // (H/H_kv), in float32.
-    Returns float32 [B, H, d]."""
+    o[b, j] = softmax(scaling · q̃[b, j]·K̃_b^T)·Ṽ_b·R_V[h]^T + μ_V[h], h = j // (H/H_kv), in float32
+    (value_rotation None: R_V = I, the values' stored space, for weights that hold R_V). Returns float32 [B, H, d]."""
     bsz, heads, d = q.shape
     kv_heads = key_rotation.shape[0]
     group = heads // kv_heads
@@ -515,7 +515,8 @@ def decode_attention_reference(q: torch.Tensor, cache: Int2KVCache, key_rotation
         k, v = sequence_kv(cache, b)
         p = torch.softmax(scaling * qr[b] @ k.transpose(1, 2), dim=-1)
         o = p @ v
-        o = o @ value_rotation.float().transpose(1, 2)
+        if value_rotation is not None:
+            o = o @ value_rotation.float().transpose(1, 2)
         if value_mean is not None:
             o = o + value_mean.float()[:, None]
         out[b] = o

@@ -126,6 +126,27 @@ def test_kernel_reads_match_torch_reads(method):
         assert (a == b).float().mean() > 0.98, name
 
 
+def test_kernel_reads_an_absorbed_model():
+    """R_V in the weights (absorb.py): decode steps read by kernel without õ·R_V^T match the torch reads of the same
+    cache and the logits of the cache that rotates the values itself."""
+    from oscar_core.absorb import absorb_value_rotation
+
+    model, bundle = tiny_llama(), random_bundle(4, 16)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    want = decode_logits(model, make_cache("oscar", bundle, False), ids, steps=4)
+    absorb_value_rotation(model, bundle)
+    torch_reads = decode_logits(model, make_cache("oscar", bundle, False, values_absorbed=True), ids, steps=4)
+    cache = make_cache("oscar", bundle, True, values_absorbed=True)
+    with oscar_attention(model, cache):
+        got = decode_logits(model, cache, ids, steps=4)
+    plan = decode.launch_plan(torch.zeros(2, HEADS, HEAD_DIM, device=DEVICE), cache.layers[0].store,
+                              rotate_values=False)
+    assert cache.layers[0].value_identity and not plan.reduce_consts["ROTATE"]
+    for a, b, bound in ((got, torch_reads, 3e-2), (torch_reads, want, 1e-3)):
+        err = (a - b).norm(dim=-1) / b.norm(dim=-1)
+        assert err.max() < bound, err
+
+
 def test_left_padded_batch_decodes_by_kernel():
     """A left-padded batch: the kernel path (pads skipped at write, per-sequence lengths) against each
     sequence decoded alone without padding through torch reads."""

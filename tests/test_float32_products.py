@@ -27,13 +27,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from oscar_core.triton import decode
 
-name, const, types = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+name, const, types, warps = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 fn = getattr(decode, name)
 ptrs = dict(dict(q_ptr="*bf16", rk_ptr="*fp32", out_ptr="*bf16", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32",
                  py_ptr="*fp32", cnt_ptr="*i32", rv_ptr="*fp32", mean_ptr="*fp32"), **types)
 sig = {a: ptrs.get(a, "i32") for a in fn.arg_names if a not in const}
 src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const)
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
 print(json.dumps({"dots": [l.strip() for l in kernel.asm["ttir"].splitlines() if "tt.dot" in l],
                   "mma": [l.strip() for l in kernel.asm["ptx"].splitlines() if "mma" in l]}))
 """
@@ -41,10 +41,11 @@ print(json.dumps({"dots": [l.strip() for l in kernel.asm["ttir"].splitlines() if
 REDUCE = dict(HKV=2, D=128, HAS_MEAN=True, PDL=False, GATED=False)
 
 
-def compiled_dots(name: str, const: dict, types: dict | None = None) -> dict:
+def compiled_dots(name: str, const: dict, types: dict | None = None, num_warps: int = 4) -> dict:
     """The tt.dot lines of the kernel's TTIR and the mma lines of its PTX, compiled for sm_90 in a process of its own."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE, name, json.dumps(const), json.dumps(types or {})], env=env,
+    run = subprocess.run([sys.executable, "-c", COMPILE, name, json.dumps(const), json.dumps(types or {}),
+                          str(num_warps)], env=env,
                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -76,3 +77,27 @@ def test_fused_merge_rotates_in_float32():
     dots = compiled_dots("_split_kernel", const, types)["dots"]
     f32 = [d for d in dots if "tensor<16x128xf32> * tensor<128x16xf32>" in d]
     assert f32 and not [d for d in f32 if "tf32" in d], dots
+
+
+SPLIT_TYPES = dict(ks_ptr="*bf16", vs_ptr="*bf16", kr_ptr="*bf16", vr_ptr="*bf16", kc_ptr="*u8", ksc_ptr="*u8",
+                   kz_ptr="*i8", vc_ptr="*u8", vsc_ptr="*u8", vz_ptr="*i8", len_ptr="*i32", scale_log2="fp32",
+                   log2_scale="fp32")
+
+
+@pytest.mark.parametrize("d,hg,warps", [(64, 7, 8), (128, 4, 8), (128, 8, 4), (256, 2, 8), (256, 4, 4)])
+def test_window_programs_compile_with_more_warps(d, hg, warps):
+    """Beside the Gluon programs the window programs run with 4 or 8 warps (decode._plan): they compile for sm_90 at
+    every head_dim, their bf16 products on the tensor cores."""
+    hgp = 1 << (hg - 1).bit_length()
+    const = dict(HKV=2, HG=hg, D=d, GK=64, GV=64, S=64, W=256, HGP=hgp, QP=max(16, hgp), NW=5, BLOCK_N=64,
+                 BLOCK_W=64, SB=8, BLOCK_E=16, KEY_T=True, USE_ASM=True, ROTATE=False, MERGE=False, HAS_MEAN=True,
+                 F32=False, TB=1, R=1, VT=True, PDL=False, HOLE=False, SLIDE=False)
+    found = compiled_dots("_split_kernel", const, SPLIT_TYPES, num_warps=warps)
+    assert [m for m in found["mma"] if "bf16" in m]
+
+
+@pytest.mark.parametrize("hg", [4, 16])
+def test_reduce_without_value_rotation_has_no_product(hg):
+    """With R_V in the model's weights (ROTATE off) the reduce only merges: no dot, no share of õ·R_V^T."""
+    found = compiled_dots("_reduce_kernel", dict(REDUCE, HG=hg, HGP=hg, SB=32, BLOCK_C=16, ROTATE=False))
+    assert not found["dots"] and not found["mma"]

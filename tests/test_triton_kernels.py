@@ -214,6 +214,25 @@ def test_decode_kernel_result_does_not_depend_on_max_length():
     assert (decode._counters(torch.device(DEVICE), 2) == 0).all()
 
 
+@pytest.mark.parametrize("fused,mean", [(False, True), (False, False), (True, True)])
+def test_decode_kernel_without_value_rotation_stays_in_the_stored_space(fused, mean):
+    """value_rotation None (R_V held by the model's weights): the output is õ (+ μ_V) in the values' stored space,
+    the reference's with R_V = I; the reduce merges the splits and writes its columns without shares."""
+    gen = torch.Generator().manual_seed(12)
+    cache, layer, q = build(gen, [500, 90, 7], 8, 2, 64, 64, 64, sink=16, recent=32)
+    mu = layer.value_mean if mean else None
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, None, mu, 0.125)
+    rotated = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, mu, 0.125)
+    out = decode.decode_attention(q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE), None,
+                                  None if mu is None else mu.to(DEVICE), 0.125, block_n=64, fused=fused,
+                                  graph=False)
+    assert relative_errors(out, ref).max() < 1e-2
+    assert relative_errors(out, rotated).max() > 0.1
+    plan = decode.launch_plan(q.to(DEVICE), to_device(cache), block_n=64, fused=fused, has_mean=mean,
+                              rotate_values=False)
+    assert plan.work == plan.split * (64 + 2)
+
+
 def test_reduce_over_many_splits_drops_the_empty_ones():
     """Beyond 64 splits a (sequence, KV head) the reduce loads each split's partials beside its l (not gated on it):
     a short sequence's empty splits, whose partials are never written, still count for nothing."""

@@ -538,14 +538,15 @@ def _factor_tile(ptr, a_off, b_off, WIDE: tl.constexpr):
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
                    HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
                    SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr, PDL: tl.constexpr,
-                   GATED: tl.constexpr):
+                   GATED: tl.constexpr, ROTATE: tl.constexpr = True):
     """Program (bh, j), for the columns c of block j ([j·BLOCK_C, (j + 1)·BLOCK_C)):
       õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s   (SB splits a step, running max; splits
                                                                  with l_s = 0 are empty and left unread)
       y_j[r, :] = Σ_{c in block j} õ[r, c]·R_V[:, c]            (its share of õ·R_V^T, float32, to py)
     and the last of the D / BLOCK_C programs of bh (an atomic counter, which it resets) writes
     o = Σ_j y_j + μ_V, the partials summed in a fixed order. Every partial is read once, and no program
-    waits on a serial chain of products. PDL: launched as a programmatic dependent of the split programs,
+    waits on a serial chain of products. Without ROTATE (R_V in the model's weights) it writes o[r, c] = õ[r, c]
+    (+ μ_V[c]) itself: no shares, no counter. PDL: launched as a programmatic dependent of the split programs,
     it loads its R_V columns before gdc_wait and the partials after. GATED: _merged's."""
     bh = tl.program_id(0)
     j = tl.program_id(1)
@@ -556,25 +557,34 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     c = c0 + tl.arange(0, BLOCK_C)
     e = tl.arange(0, D)
     base = bh * NS * HG
-    rvt = _factor_tile(rv_ptr + h * D * D, c, e * D, HGP >= 16)        # R_V[e, c] as [1, c, e]
-    if PDL:
-        gdc_wait()
-    o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
-    y = tl.sum(o[:, :, None] * rvt, axis=1)
-    ys = py_ptr + (bh * (D // BLOCK_C) * HGP + r[:, None]) * D + e[None, :]
-    tl.store(ys + j * HGP * D, y)
-    # Every thread's share is stored before the counter moves (barrier, then a release at GPU scope).
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
-    if done == D // BLOCK_C - 1:
-        total = tl.zeros([HGP, D], tl.float32)
-        for i in range(D // BLOCK_C):
-            total += tl.load(ys + i * HGP * D, cache_modifier=".cg")
+    if ROTATE:
+        rvt = _factor_tile(rv_ptr + h * D * D, c, e * D, HGP >= 16)        # R_V[e, c] as [1, c, e]
+        if PDL:
+            gdc_wait()
+        o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
+        y = tl.sum(o[:, :, None] * rvt, axis=1)
+        ys = py_ptr + (bh * (D // BLOCK_C) * HGP + r[:, None]) * D + e[None, :]
+        tl.store(ys + j * HGP * D, y)
+        # Every thread's share is stored before the counter moves (barrier, then a release at GPU scope).
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
+        if done == D // BLOCK_C - 1:
+            total = tl.zeros([HGP, D], tl.float32)
+            for i in range(D // BLOCK_C):
+                total += tl.load(ys + i * HGP * D, cache_modifier=".cg")
+            if HAS_MEAN:
+                total += tl.load(mean_ptr + h * D + e)[None, :]
+            tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=rmask[:, None])
+            tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
+    else:
+        if PDL:
+            gdc_wait()
+        o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
         if HAS_MEAN:
-            total += tl.load(mean_ptr + h * D + e)[None, :]
-        tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], total.to(out_ptr.dtype.element_ty),
+            o += tl.load(mean_ptr + h * D + c)[None, :]
+        tl.store(out_ptr + (bh * HG + r)[:, None] * D + c[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None])
-        tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
 
 
 @triton.jit
@@ -916,7 +926,7 @@ def _gluon_args(qt, cache, po, pm, pl, log2_scale, n_int2, min_chunk, ns) -> tup
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
-                     value_rotation: torch.Tensor, value_mean: torch.Tensor | None, scaling: float,
+                     value_rotation: torch.Tensor | None, value_mean: torch.Tensor | None, scaling: float,
                      max_length: int | None = None, block_n: int | None = None, block_w: int = 64,
                      num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
@@ -932,6 +942,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     CUDA-graph capture; None: the store's capacity); each sequence's rows are divided among them by its
     own length, so results never depend on it and the launch grid never depends on the data.
     out, if given, is a contiguous [B, H, d] tensor (float32 or bf16) written in place.
+    value_rotation None: the output stays in the values' stored space, õ (+ μ_V), for a model whose weights hold
+    R_V (absorb.py); the reduce then only merges the splits.
     Launch settings left as None come from default_config (key_t: the score tile's orientation).
     gluon: the INT2 programs in Gluon (decode_gluon.py, one launch of their own beside the window programs);
     None: where gluon_supported says they run, for more than 16 (sequence, KV head) pairs, from 4K INT2 rows,
@@ -963,7 +975,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     bsz, heads, d = q.shape
     has_mean = value_mean is not None
     plan = launch_plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused,
-                       gluon, heads_per_program, has_mean, pdl)
+                       gluon, heads_per_program, has_mean, pdl, value_rotation is not None)
     kv_heads = cache.key_codes.shape[1]
     q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation, plan.pdl)
     work = torch.empty(plan.work, dtype=torch.float32, device=q.device)
@@ -973,7 +985,11 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     if out is None:
         out = torch.empty(bsz, heads, d, dtype=q.dtype, device=q.device)
     rk = key_rotation.float().contiguous()
-    rv = value_rotation.float().contiguous()
+    if value_rotation is None:
+        # Only the fused merge reads it then.
+        rv = torch.eye(d, device=q.device).expand(kv_heads, d, d).contiguous() if fused else rk
+    else:
+        rv = value_rotation.float().contiguous()
     mean = value_mean.float().contiguous() if has_mean else rv
     counters = _counters(q.device, bsz * kv_heads)
     scale_log2 = scaling * LOG2E
@@ -1015,8 +1031,9 @@ def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, 
     reads and a call that matches its key reads exactly the call's tensors; the GRAPHS_PER_STORE latest are
     kept. Calls on one stream at a time."""
     mean_ptr = None if value_mean is None else value_mean.data_ptr()
+    rv_ptr = None if value_rotation is None else value_rotation.data_ptr()
     key = (tuple(q.shape), q.dtype, q.device, None if out is None else out.dtype, key_rotation.data_ptr(),
-           value_rotation.data_ptr(), mean_ptr, scaling, tuple(options.values()),
+           rv_ptr, mean_ptr, scaling, tuple(options.values()),
            tuple(getattr(cache, f).data_ptr() for f in _STORE_FIELDS))
     hit = cache.graphs.get(key)
     if hit is None:
@@ -1074,23 +1091,23 @@ _PLANS: dict = {}
 
 def launch_plan(q, cache, max_length=None, block_n=None, block_w=64, num_warps=None, num_stages=None, waves=None,
                 use_asm=None, key_t=None, fused=False, gluon=None, heads_per_program=None, has_mean=True,
-                pdl=None) -> _Plan:
+                pdl=None, rotate_values=True) -> _Plan:
     """The launch settings decode_attention(q, cache, ...) uses with these arguments (plan.gluon: whether the
     Gluon programs take the INT2 rows), worked out on the first call of a shape and kept in _PLANS."""
     key = (q.device, tuple(q.shape), cache.key_codes.shape[1:3], cache.key_group_size, cache.value_group_size,
            cache.key_axis, cache.value_layout, cache.sink_tokens, cache.ring_slots, hole(cache), max_length, block_n,
            block_w,
            num_warps, num_stages,
-           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean, pdl)
+           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean, pdl, rotate_values)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm,
-                                   key_t, fused, gluon, heads_per_program, has_mean, pdl)
+                                   key_t, fused, gluon, heads_per_program, has_mean, pdl, rotate_values)
     return plan
 
 
 def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused, gluon,
-          heads_per_program, has_mean, pdl) -> _Plan:
+          heads_per_program, has_mean, pdl, rotate_values=True) -> _Plan:
     """Check the shape and derive every launch setting of decode_attention (its docstring)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
@@ -1139,6 +1156,12 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     nw = -(-(cache.sink_tokens + cache.ring_slots) // block_w)
+    # The window programs beside the Gluon programs get their slots only as Gluon programs finish, and ended after
+    # them (a model's step, Qwen3-8B 32K x 8: 26 µs, the last 8 past the Gluon programs). With 8 warps rather than
+    # the Triton INT2 programs' one they finish sooner (H100, graph, 1 / 4 / 8 warps, µs: 32K x 8 90.9 / 87.5 /
+    # 85.4, 16K x 8 61.7 / 58.0 / 56.9, 100K x 8 208.4 / 205.1 / 204.4, 32K x 32 286.6 / 282.7 / 280.5); beyond 64
+    # pairs 4 (100K x 32 760.0 / 761.8 / 766.0). At 8 pairs or fewer default_config's 4 already. kernel_notes.md v26.
+    window_warps = num_warps if not gluon or few_pairs else 8 if bsz * kv_heads <= 64 else 4
     consts = {}
     if gluon:
         consts = dict(gluon_constexprs(cache, heads, d, nw, heads_per_program), PDL=pdl)
@@ -1164,7 +1187,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     # Beyond 64 splits the partials are loaded beside their l_s (H100, graph, 100K x 8: Qwen2.5-0.5B's 136 splits
     # 0.0580 -> 0.0566 ms; at 38 splits, Qwen3-8B, 0.1-1.2% slower; kernel_notes.md v20).
     gated = _pow2(ns) <= 64
-    shares = 0 if fused else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
+    shares = 0 if fused or not rotate_values else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
     launch = dict(launch_pdl=True) if pdl else {}
     window_launch = dict(launch_pdl=True) if window_pdl else {}
     return _Plan(
@@ -1175,11 +1198,12 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
                           F32=not q.is_cuda, TB=tb, R=cache.ring_slots if tb > 1 else 1,
                           VT=cache.value_tiles, PDL=window_pdl, HOLE=hole(cache), SLIDE=cache.window is not None,
-                          num_warps=num_warps,
+                          num_warps=window_warps,
                           num_stages=num_stages, **window_launch),
         gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
         gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
         reduce_grid=(bsz * kv_heads, d // block_c),
         reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),
                                                                            max(8, _pow2(ns))),
-                           BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, GATED=gated, num_warps=4, **launch))
+                           BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, GATED=gated, ROTATE=rotate_values,
+                           num_warps=4, **launch))
