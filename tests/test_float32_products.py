@@ -38,7 +38,7 @@ print(json.dumps({"dots": [l.strip() for l in kernel.asm["ttir"].splitlines() if
                   "mma": [l.strip() for l in kernel.asm["ptx"].splitlines() if "mma" in l]}))
 """
 
-REDUCE = dict(HKV=2, D=128, HAS_MEAN=True, PDL=False, GATED=False)
+REDUCE = dict(HKV=2, D=128, HAS_MEAN=True, PDL=False, GATED=False, ROTATE=True)
 
 
 def compiled_dots(name: str, const: dict, types: dict | None = None, num_warps: int = 4) -> dict:
