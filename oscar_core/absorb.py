@@ -14,6 +14,7 @@ the decode kernel skips õ·R_V^T (decode.decode_attention with value_rotation N
 import torch
 
 from oscar_core.errors import OscarError
+from oscar_core.models import attention_facts
 
 MARK = "oscar_values_absorbed"     # set on model.config: the bundle whose R_V the weights hold
 
@@ -78,13 +79,12 @@ def absorb_value_rotation(model, bundle) -> list[int]:
     mark model.config; returns the layers changed (those the bundle rotates). Read the model then through an
     OscarCache(bundle, values_absorbed=True). Raises OscarError, before changing anything, for a model already
     absorbed, one the bundle does not describe, or an attention the absorption would not be exact for."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(model.config, MARK, None):
         raise OscarError(f"the model's weights already hold R_V of {getattr(model.config, MARK)}")
     m = bundle.manifest.model
     heads, kv_heads, d = m.num_heads, m.num_kv_heads, m.head_dim
-    got = (config.num_attention_heads, config.num_key_value_heads, getattr(config, "head_dim", None) or
-           config.hidden_size // config.num_attention_heads)
+    facts = attention_facts(model.config)
+    got = (facts["num_heads"], facts["num_kv_heads"], facts["head_dim"])
     if got != (heads, kv_heads, d):
         raise OscarError(f"bundle {bundle.manifest.name} is for {heads}/{kv_heads} heads of dim {d}; the model has "
                          f"{got[0]}/{got[1]} of dim {got[2]}")

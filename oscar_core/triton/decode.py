@@ -538,7 +538,7 @@ def _factor_tile(ptr, a_off, b_off, WIDE: tl.constexpr):
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
                    HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
                    SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr, PDL: tl.constexpr,
-                   GATED: tl.constexpr, ROTATE: tl.constexpr = True):
+                   GATED: tl.constexpr, ROTATE: tl.constexpr):
     """Program (bh, j), for the columns c of block j ([j·BLOCK_C, (j + 1)·BLOCK_C)):
       õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s   (SB splits a step, running max; splits
                                                                  with l_s = 0 are empty and left unread)
@@ -1107,7 +1107,7 @@ def launch_plan(q, cache, max_length=None, block_n=None, block_w=64, num_warps=N
 
 
 def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused, gluon,
-          heads_per_program, has_mean, pdl, rotate_values=True) -> _Plan:
+          heads_per_program, has_mean, pdl, rotate_values) -> _Plan:
     """Check the shape and derive every launch setting of decode_attention (its docstring)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
@@ -1160,7 +1160,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     # them (a model's step, Qwen3-8B 32K x 8: 26 µs, the last 8 past the Gluon programs). With 8 warps rather than
     # the Triton INT2 programs' one they finish sooner (H100, graph, 1 / 4 / 8 warps, µs: 32K x 8 90.9 / 87.5 /
     # 85.4, 16K x 8 61.7 / 58.0 / 56.9, 100K x 8 208.4 / 205.1 / 204.4, 32K x 32 286.6 / 282.7 / 280.5); beyond 64
-    # pairs 4 (100K x 32 760.0 / 761.8 / 766.0). At 8 pairs or fewer default_config's 4 already. kernel_notes.md v26.
+    # pairs 4 (100K x 32 760.0 / 761.8 / 766.0). At 8 pairs or fewer, where gluon_waves leaves them a slot, they keep
+    # default_config's one (100K x 1: 48.0 / 47.7 / - µs, within noise). kernel_notes.md v26.
     window_warps = num_warps if not gluon or few_pairs else 8 if bsz * kv_heads <= 64 else 4
     consts = {}
     if gluon:
@@ -1187,7 +1188,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     # Beyond 64 splits the partials are loaded beside their l_s (H100, graph, 100K x 8: Qwen2.5-0.5B's 136 splits
     # 0.0580 -> 0.0566 ms; at 38 splits, Qwen3-8B, 0.1-1.2% slower; kernel_notes.md v20).
     gated = _pow2(ns) <= 64
-    shares = 0 if fused or not rotate_values else bsz * kv_heads * (d // block_c) * _pow2(hg) * d   # the reduce's shares of õ·R_V^T
+    # The reduce's shares of õ·R_V^T.
+    shares = 0 if fused or not rotate_values else bsz * kv_heads * (d // block_c) * _pow2(hg) * d
     launch = dict(launch_pdl=True) if pdl else {}
     window_launch = dict(launch_pdl=True) if window_pdl else {}
     return _Plan(
