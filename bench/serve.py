@@ -22,6 +22,9 @@ Arms, every one in this run, at each (context, batch) point:
   int2-graph-absorbed  (--absorb-values) int2-graph with R_V and μ_V in v_proj / o_proj (oscar_core.absorb,
                  OscarCache(values_absorbed=True)): run after every other arm, on the model changed in place
                  (exact: the max-batch bf16-flash point, run after it, reads the same model)
+--compile: every arm with the model's norms and MLPs compiled (torch.compile, as transformers' compiled generation
+or a serving engine runs them): the step's shared part (its weights aside, launches of small elementwise kernels)
+shrinks in every arm alike, and what is left between the arms is their attention.
 Long contexts are filled synthetically: random post-RoPE keys and values of `context` tokens written
 into each cache by its real write path (BF16: the cache's update; INT2: the Triton prefill kernel), then
 greedy decode steps run through the whole model (decode_graph.GreedyDecoder). Prefill through the model
@@ -94,6 +97,24 @@ def qwen3_model(layers: int, name: str = "Qwen3-8B"):
     with torch.device("cuda"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return model.eval()
+
+
+def compile_shared_parts(model) -> int:
+    """Replace every RMSNorm and MLP module of `model` with its torch.compile'd form (fixed shapes, one graph each);
+    attention, its projections and the caches stay as they are. Returns the modules compiled."""
+    import torch._dynamo
+
+    # Every layer's modules share one compiled graph a shape; each (batch, module kind) is a shape of its own.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__.endswith(("RMSNorm", "MLP")):
+                setattr(parent, name, torch.compile(child, dynamic=False, fullgraph=True))
+                done += 1
+    return done
 
 
 def layer_windows(config) -> dict | None:
@@ -336,6 +357,8 @@ def main():
                    help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill or max batch)")
     p.add_argument("--absorb-values", action="store_true",
                    help="also int2-graph-absorbed, after the other arms (the model's v_proj / o_proj changed in place)")
+    p.add_argument("--compile", action="store_true",
+                   help="the model's norms and MLPs torch.compile'd in every arm (compile_shared_parts)")
     p.add_argument("--value-layout", default=kvstore.DEFAULT_VALUE_LAYOUT, choices=kvstore.VALUE_LAYOUTS,
                    help="how the INT2 stores keep their value codes (kvstore.Int2KVCache)")
     args = p.parse_args()
@@ -349,7 +372,8 @@ def main():
     bundle = random_bundle(args.layers, kv_heads(args.model), head_dim(args.model), key_axis=args.key_axis,
                            heads=SHAPES[args.model]["num_attention_heads"], windows=windows)
     weights = torch.cuda.memory_allocated()
-    res = dict(model=args.model, key_axis=args.key_axis, value_layout=args.value_layout, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
+    compiled = compile_shared_parts(model) if args.compile else 0
+    res = dict(compiled_modules=compiled, model=args.model, key_axis=args.key_axis, value_layout=args.value_layout, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
                torch=torch.__version__, layers=args.layers, steps=args.steps, build_s=time.perf_counter() - t0,
                date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     import transformers
@@ -405,7 +429,9 @@ def render(res: dict) -> str:
     lines = [f"# Serving: decode steps through BF16 caches and the INT2 OscarCache ({res['device']})", "",
              f"- {res['date']}; {res['versions']}; model: random-initialised {res.get('model', 'Qwen3-8B')} shapes, {res['layers']} layers, keys per "
              f"{res.get('key_axis', 'token')}, value codes in {res.get('value_layout', 'rows')}, "
-             f"weights {res['weights_gib']:.1f} GiB of {res['total_gib']:.1f} GiB", "",
+             f"weights {res['weights_gib']:.1f} GiB of {res['total_gib']:.1f} GiB"
+             + (f"; in every arm the {res['compiled_modules']} norm and MLP modules torch.compile'd (--compile)"
+                if res.get("compiled_modules") else ""), "",
              "| context x batch | arm | ms / step | tokens/s | peak GiB | note |", "|---|---|---|---|---|---|"]
     for r in res["points"]:
         note = r.get("error", "") + (" max batch" if r.get("max_batch") else "")

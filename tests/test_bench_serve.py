@@ -1,0 +1,30 @@
+"""bench/serve.py's --compile: the shared part of the step compiled, the model's outputs unchanged."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import serve  # noqa: E402
+
+
+@pytest.mark.slow
+def test_compile_shared_parts_swaps_norms_and_mlps_and_keeps_the_logits():
+    """Every RMSNorm and MLP of a tiny Qwen3 (four norms and an MLP a layer, the final norm) becomes its compiled
+    form; attention and its projections stay; the logits match the model's own within float32 rounding."""
+    import transformers as tf
+
+    cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+                         num_key_value_heads=2, head_dim=16, vocab_size=100)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = model(ids).logits
+        assert serve.compile_shared_parts(model) == 2 * 5 + 1
+        layer = model.model.layers[0]
+        assert type(layer.mlp).__name__ == "OptimizedModule" and type(layer.self_attn.k_norm).__name__ == "OptimizedModule"
+        assert type(layer.self_attn.q_proj) is torch.nn.Linear
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
