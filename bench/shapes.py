@@ -250,6 +250,7 @@ def main():
     ap.add_argument("--sizes", default=",".join(f"{c}x{b}" for c, b in SIZES),
                     help="context x batch points, comma separated")
     ap.add_argument("--no-time", action="store_true", help="errors only")
+    ap.add_argument("--no-errors", action="store_true", help="times only")
     ap.add_argument("--value-layout", default=kvstore.DEFAULT_VALUE_LAYOUT, choices=kvstore.VALUE_LAYOUTS)
     args = ap.parse_args()
     VALUE_LAYOUT[0] = args.value_layout
@@ -258,7 +259,7 @@ def main():
     shapes = [s for s in SHAPES if not args.only or any(part in s[0] for part in args.only.split(";"))]
     sizes = [tuple(int(v) for v in point.split("x")) for point in args.sizes.split(",")]
     checks, rows = {}, []
-    for shape in shapes:
+    for shape in [] if args.no_errors else shapes:
         checks[shape[0]] = check(shape, gen)
         print(f"check {shape[0]}: {checks[shape[0]]}", flush=True)
         save(args.out, checks, rows, bandwidth)
