@@ -32,8 +32,8 @@ from oscar_core.triton import decode, decode_gluon
 
 shape, cubin = json.loads(sys.argv[1]), sys.argv[2]
 fn = decode_gluon._int2_split_kernel
-const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128, VT=False, PDL=True, SLIDE=False, HOLE=False),
-             **shape)
+const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128, VT=False, PDL=True, SLIDE=False, HOLE=False,
+                  FLAT=False), **shape)
 const["MASK_ALL"] = decode.mask_every_tile(const["D"], const["R4"], const["NGV"], const.get("VT", False))
 const["KEYS_AHEAD"] = decode.keys_ahead(const["D"], const["R4"], const["TB"], const["NGK"], const.get("VT", False))
 const.setdefault("PF", decode.prefetch_tiles(const["D"], const["R4"], const["TB"]))
@@ -52,6 +52,11 @@ print(json.dumps({"shared": kernel.metadata.shared}))
 
 SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a token (keys, values), key block
     dict(HG=4, R4=4, STAGES=0, NGK=2, NGV=2, TB=1),
+    # Flat rows (decode.flat_splits): a loop over the pairs a program meets around the same per-pair code.
+    dict(HG=4, R4=4, STAGES=0, NGK=2, NGV=2, TB=1, VT=True, FLAT=True, STRIDED=False),
+    dict(HG=8, R4=8, STAGES=0, NGK=1, NGV=2, TB=64, VT=True, FLAT=True, STRIDED=False),
+    # (At head_dim 256 flat rows spill 16 bytes, not 8: the rule keeps them to head_dim 64 and 128.)
+    dict(HKV=1, HG=4, R4=4, STAGES=0, NGK=4, NGV=4, TB=1, D=256, VT=True, FLAT=True, STRIDED=False, stack=16),
     dict(HG=1, R4=4, STAGES=0, NGK=2, NGV=2, TB=1),
     dict(HG=4, R4=4, STAGES=2, NGK=2, NGV=2, TB=1),
     dict(HG=4, R4=4, STAGES=3, NGK=2, NGV=2, TB=1),

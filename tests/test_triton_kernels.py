@@ -360,6 +360,8 @@ def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths
         bound = 1e-2 if mean is not None else 1.1 * err(gluon=False) + 1e-4
         for per_program in (4, 8, 16):
             assert err(gluon=True, heads_per_program=per_program) < bound, (mean is None, per_program)
+        if not decode.launch_plan(q.to(DEVICE), on_device, gluon=True).gluon_consts["STAGES"]:
+            assert err(gluon=True, flat=True) < bound, (mean is None, "flat")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon programs need a GPU")
@@ -448,6 +450,16 @@ def test_long_small_batches_leave_the_window_programs_a_slot(context, batch, wav
     _, splits = decode.plan_splits(batch, 8, max_int2, 64, sms, use, plan.min_chunk)
     assert plan.gluon_grid == (splits, batch * 8)
     assert splits * batch * 8 <= use * sms
+
+
+@pytest.mark.parametrize("pairs,wave,expect", [(240, 2112, True), (440, 2112, True), (216, 2112, False),
+                                               (256, 2112, False), (192, 2112, False), (64, 2112, False),
+                                               (2200, 2112, False), (8, 1980, False)])
+def test_flat_splits_where_whole_splits_leave_the_wave_idle(pairs, wave, expect):
+    """Flat rows where ⌊wave / pairs⌋ splits a pair leave more than 8% of the wave idle (batch 30 of 8 KV heads: 1,920
+    of 2,112; 55: 1,760), not at batch 27 (1,944: 7.95%) or 32 (2,048), nor where the pairs divide the wave or
+    outnumber it."""
+    assert decode.flat_splits(pairs, wave) == expect
 
 
 @pytest.mark.parametrize("pairs,max_int2,d,slots,ht,expect", [

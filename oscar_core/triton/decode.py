@@ -5,7 +5,8 @@ Program (s, b·H_kv + h) of the split kernel attends the HG = H/H_kv query heads
 BLOCK_W tokens each of the BF16 sink and recent windows (one tile per program), splits s ≥ NW share
 the INT2 rows of sequence b in chunks of whole tiles sized by b's own length (so the grid never
 depends on the data; decode_gluon's programs, where strided_tiles says, take as many tiles strided over
-the splits). Each writes the unnormalized output, the running max m and the sum l of its slice; the
+the splits, and where flat_splits says, an equal share of a line of every pair's rows, crossing from one pair into
+the next). Each writes the unnormalized output, the running max m and the sum l of its slice; the
 merge combines the slices with a running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s, and returns
 to original space, o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
 Default: three launches (_rotate_kernel for q̃ = q·R_K in bf16, _split_kernel, _reduce_kernel), four
@@ -755,7 +756,7 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
                 D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv, tiles),
                 KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles, SLIDE=cache.window is not None,
                 HOLE=hole(cache), PF=prefetch_tiles(head_dim, r4, tb),
-                STRIDED=strided_tiles(head_dim, r4, tb, tiles))
+                STRIDED=strided_tiles(head_dim, r4, tb, tiles), FLAT=False)
 
 
 def hole(cache: Int2KVCache) -> bool:
@@ -817,6 +818,16 @@ def strided_tiles(head_dim: int, heads_per_program: int, token_block: int, value
     rows the 4-head program at head_dim 128 spills 8 bytes strided, so there it stays off (and the cp.async
     ring, which reads rows only, never takes tiles strided)."""
     return value_tiles and (head_dim == 64 or (head_dim == 128 and heads_per_program == 4 and token_block == 1))
+
+
+def flat_splits(pairs: int, splits_a_wave: int) -> bool:
+    """Whether the Gluon programs take their rows flat (decode_gluon's FLAT) rather than in whole splits a pair: where
+    whole splits, ⌊S / pairs⌋ a pair of the S a wave holds, would leave more than 8% of the wave idle. Flat rows cost
+    about 4% where nothing idles (chunks, not strided tiles, and the loop over pairs), so they pay only where more
+    does. H100, Qwen3-8B's shape, graph, best of 3 interleaved, whole splits / flat (µs, kernel_notes.md v27): 100K x
+    30 (1,920 of 2,112 busy) 757.9 / 741.2, ragged 644.1 / 630.8; 100K x 28 (2,016) 692.6 / 694.3; 100K x 32 (2,048)
+    774.8 / 789.7; 100K x 24 (all) 574.9 / 597.0."""
+    return pairs < splits_a_wave and splits_a_wave - pairs * (splits_a_wave // pairs) > 0.08 * splits_a_wave
 
 
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:
@@ -932,7 +943,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      use_asm: bool | None = None, out: torch.Tensor | None = None,
                      key_t: bool | None = None, fused: bool = False, gluon: bool | None = None,
                      heads_per_program: int | None = None, graph: bool | None = None,
-                     pdl: bool | None = None) -> torch.Tensor:
+                     pdl: bool | None = None, flat: bool | None = None) -> torch.Tensor:
     """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
 
     Three launches (query rotation, split kernel, reduce), or with fused one: the query rotated inside
@@ -964,18 +975,22 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     (sequence, KV head) pairs the window programs (without the Gluon programs, the split programs) are still
     launched plainly, after the rotation ends. None: at 8 pairs or fewer, and beyond them with the Gluon
     programs, where programmatic_launch says the device has it and fused is off. True to require it (ValueError
-    where it cannot)."""
+    where it cannot).
+    flat: the Gluon programs take their rows flat (decode_gluon's FLAT: each program an equal share of a line of
+    every pair's rows, crossing from one pair into the next) rather than in whole splits a pair; None: where
+    flat_splits says; True to require it (ValueError without the Gluon programs or with their ring)."""
     if graph is None:
         graph = q.is_cuda and not torch.cuda.is_current_stream_capturing()
     if graph:
         options = dict(max_length=None if max_length is None else _pow2(max_length), block_n=block_n,
                        block_w=block_w, num_warps=num_warps, num_stages=num_stages, waves=waves, use_asm=use_asm,
-                       key_t=key_t, fused=fused, gluon=gluon, heads_per_program=heads_per_program, pdl=pdl)
+                       key_t=key_t, fused=fused, gluon=gluon, heads_per_program=heads_per_program, pdl=pdl,
+                       flat=flat)
         return _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options)
     bsz, heads, d = q.shape
     has_mean = value_mean is not None
     plan = launch_plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused,
-                       gluon, heads_per_program, has_mean, pdl, value_rotation is not None)
+                       gluon, heads_per_program, has_mean, pdl, value_rotation is not None, flat)
     kv_heads = cache.key_codes.shape[1]
     q_in = q.contiguous() if fused else rotate_query_bf16(q, key_rotation, plan.pdl)
     work = torch.empty(plan.work, dtype=torch.float32, device=q.device)
@@ -1074,7 +1089,7 @@ class _Plan:
     gluon: bool
     pdl: bool               # programmatic dependent launch after the query rotation
     ns: int                 # splits a (sequence, KV head): window programs, then INT2 programs
-    n_int2: int             # INT2 splits a (sequence, KV head)
+    n_int2: int             # INT2 splits a (sequence, KV head); flat: the number of (sequence, KV head) pairs
     min_chunk: int
     split: int              # partial rows: B·H_kv·ns·HG
     work: int               # float32 elements of the partials and the reduce's shares
@@ -1091,23 +1106,23 @@ _PLANS: dict = {}
 
 def launch_plan(q, cache, max_length=None, block_n=None, block_w=64, num_warps=None, num_stages=None, waves=None,
                 use_asm=None, key_t=None, fused=False, gluon=None, heads_per_program=None, has_mean=True,
-                pdl=None, rotate_values=True) -> _Plan:
+                pdl=None, rotate_values=True, flat=None) -> _Plan:
     """The launch settings decode_attention(q, cache, ...) uses with these arguments (plan.gluon: whether the
     Gluon programs take the INT2 rows), worked out on the first call of a shape and kept in _PLANS."""
     key = (q.device, tuple(q.shape), cache.key_codes.shape[1:3], cache.key_group_size, cache.value_group_size,
            cache.key_axis, cache.value_layout, cache.sink_tokens, cache.ring_slots, hole(cache), max_length, block_n,
            block_w,
            num_warps, num_stages,
-           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean, pdl, rotate_values)
+           waves, use_asm, key_t, fused, gluon, heads_per_program, has_mean, pdl, rotate_values, flat)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm,
-                                   key_t, fused, gluon, heads_per_program, has_mean, pdl, rotate_values)
+                                   key_t, fused, gluon, heads_per_program, has_mean, pdl, rotate_values, flat)
     return plan
 
 
 def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, use_asm, key_t, fused, gluon,
-          heads_per_program, has_mean, pdl, rotate_values) -> _Plan:
+          heads_per_program, has_mean, pdl, rotate_values, flat) -> _Plan:
     """Check the shape and derive every launch setting of decode_attention (its docstring)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
@@ -1175,6 +1190,20 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     _, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
     n_int2 = max(n_int2, 1)
     ns = nw + n_int2
+    splits_a_wave = waves * _num_sms(q.device)
+    if flat and not (gluon and consts["STAGES"] == 0):
+        raise ValueError("flat needs the Gluon INT2 programs without their ring")
+    if flat is None:
+        # Where the wave, not min_chunk, bounds the splits, at head_dim 64 and 128 (at 256 the flat programs spill 16
+        # bytes, not 8: not measured), and only where they fit a multiprocessor as many to one (the wave's size).
+        flat = (gluon and consts["STAGES"] == 0 and d <= 128 and n_int2 == splits_a_wave // (bsz * kv_heads)
+                and flat_splits(bsz * kv_heads, splits_a_wave)
+                and _gluon_programs_per_sm(cache, dict(consts, FLAT=True, STRIDED=False), q.device) >= slots)
+    if flat:
+        consts.update(FLAT=True, STRIDED=False)
+        # The programs a pair meets: P / Q of them, and one more where neither end falls on a program's edge.
+        n_int2 = bsz * kv_heads
+        ns = nw + -(-splits_a_wave // n_int2) + 1
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
     qp = max(16, hgp)
     # Splits merged per step in the fused merge: the [SB, QP, d] partial tile at about 64 registers a thread.
@@ -1202,7 +1231,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           VT=cache.value_tiles, PDL=window_pdl, HOLE=hole(cache), SLIDE=cache.window is not None,
                           num_warps=window_warps,
                           num_stages=num_stages, **window_launch),
-        gluon_grid=(n_int2 * consts.get("HT", 1), bsz * kv_heads),
+        gluon_grid=(splits_a_wave * consts["HT"], 1) if flat else (n_int2 * consts.get("HT", 1), bsz * kv_heads),
         gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
         reduce_grid=(bsz * kv_heads, d // block_c),
         reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),

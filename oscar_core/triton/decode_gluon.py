@@ -415,7 +415,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
                        MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr,
                        PDL: gl.constexpr = False, SLIDE: gl.constexpr = False, HOLE: gl.constexpr = False,
-                       PF: gl.constexpr = 0, STRIDED: gl.constexpr = False):
+                       PF: gl.constexpr = 0, STRIDED: gl.constexpr = False, FLAT: gl.constexpr = False):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -435,7 +435,85 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     (decode.expired_rows) are masked in the tiles that hold them. PF > 0: during each tile the program hints the
     one PF tiles after it into L2 (prefetch, no registers held; decode.prefetch_tiles). STRIDED: split i of the
     A = ⌈n_int2 / chunk⌉ splits that have rows takes tiles i, i + A, i + 2A, ... rather than a chunk of
-    consecutive ones (as many tiles; not with the ring; decode.strided_tiles)."""
+    consecutive ones (as many tiles; not with the ring; decode.strided_tiles).
+    FLAT (decode.flat_splits): the grid is (P·HT, 1) and n_int2_splits is the number Q of (sequence, KV head) pairs.
+    Pair bh owns units [bh·P, (bh + 1)·P) of a line of P·Q units, program p the units [p·Q, (p + 1)·Q): a unit of
+    a pair is 1/P of its own tiles, so every program has the same share of the work at equal lengths, however P
+    divides among the pairs, and a pair's rows go to its programs by its own length as the splits' do. A program
+    takes its part of each pair it meets (two at most while Q ≤ P), writing split NW + k of the pair, k its place
+    among the pair's programs; the last of them marks the pair's unused splits empty. Not with STRIDED or the
+    ring."""
+    r0 = (gl.program_id(0) % HT) * R4
+    if FLAT:
+        gl.static_assert((STAGES == 0) and not STRIDED)
+        p = gl.program_id(0) // HT
+        P = gl.num_programs(0) // HT
+        Q = n_int2_splits
+        u0 = p * Q
+        for bh in range(u0 // P, (u0 + Q - 1) // P + 1):
+            n_int2, hole_lo, hole_hi = _rows_held(len_ptr, bh // HKV, T, S, W, TB, SLIDE, HOLE)
+            tiles = gl.cdiv(n_int2, BLOCK_N)
+            lo = gl.maximum(u0 - bh * P, 0)
+            hi = gl.minimum(u0 + Q - bh * P, P)
+            end = gl.minimum(hi * tiles // P * BLOCK_N, n_int2)
+            k = p - bh * P // Q
+            _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T,
+                     bh, r0, bh * NS + NW + k, lo * tiles // P * BLOCK_N, end, BLOCK_N, hole_lo, hole_hi, HKV, HG,
+                     R4, BLOCK_N, STAGES, NGK, NGV, TB, D, MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF)
+            if p == ((bh + 1) * P - 1) // Q:
+                EL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+                rr = r0 + gl.arange(0, R4, layout=EL)
+                for s in range(NW + k + 1, NS):
+                    gl.store(pm_ptr + (bh * NS + s) * HG + rr, gl.full([R4], -1e30, gl.float32, EL), mask=rr < HG)
+                    gl.store(pl_ptr + (bh * NS + s) * HG + rr, gl.zeros([R4], gl.float32, EL), mask=rr < HG)
+    else:
+        sid = NW + gl.program_id(0) // HT
+        bh = gl.program_id(1)
+        n_int2, hole_lo, hole_hi = _rows_held(len_ptr, bh // HKV, T, S, W, TB, SLIDE, HOLE)
+        chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
+        chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
+        if STRIDED:
+            gl.static_assert(STAGES == 0)
+            active = gl.cdiv(n_int2, chunk)
+            start = gl.where(sid - NW < active, (sid - NW) * BLOCK_N, n_int2)
+            end = n_int2
+            step = gl.maximum(active, 1) * BLOCK_N
+        else:
+            start = (sid - NW) * chunk
+            end = gl.minimum(start + chunk, n_int2)
+            step = BLOCK_N
+        _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T, bh,
+                 r0, bh * NS + sid, start, end, step, hole_lo, hole_hi, HKV, HG, R4, BLOCK_N, STAGES, NGK, NGV, TB, D,
+                 MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF)
+
+
+@gluon.jit
+def _rows_held(len_ptr, b, T, S: gl.constexpr, W: gl.constexpr, TB: gl.constexpr, SLIDE: gl.constexpr,
+               HOLE: gl.constexpr):
+    """(n_int2, hole_lo, hole_hi) of sequence b: its INT2 rows in use (whole key blocks; a window's store, SLIDE: at
+    most its ring's T) and, with HOLE, the rows of the oldest block whose tokens have left the window
+    (decode.expired_rows)."""
+    length = gl.load(len_ptr + b)
+    n_int2 = gl.maximum(length - S - W, 0) // TB * TB
+    hole_lo = 0
+    hole_hi = 0
+    if SLIDE:
+        if HOLE:
+            base = gl.maximum(n_int2 - T, 0)
+            hole_lo = base % T
+            hole_hi = hole_lo + gl.maximum(length - S - W - T - base, 0)
+        n_int2 = gl.minimum(n_int2, T)     # the ring's T rows hold its last T INT2 tokens
+    return n_int2, hole_lo, hole_hi
+
+
+@gluon.jit
+def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T,
+             bh, r0, slot, start, end, step, hole_lo, hole_hi,
+             HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             NGK: gl.constexpr, NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr, MASK_ALL: gl.constexpr,
+             KEYS_AHEAD: gl.constexpr, VT: gl.constexpr, PDL: gl.constexpr, HOLE: gl.constexpr, PF: gl.constexpr):
+    """Query heads r0 .. r0 + R4 − 1 of (sequence, KV head) bh over its INT2 rows start, start + step, ... below end
+    (tiles of BLOCK_N), written as partial `slot` (_int2_split_kernel's docstring has the parameters)."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
     # at 4 heads a program one a (head, key group). With keys per token at 8 or 16 heads (GS) each product reads
     # one group's words, t and 4 + t of a row, into a score tile of its own, so the columns stay one a head.
@@ -454,34 +532,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     # Value halves [token pairs, a, slot]: lane = 4·a + t holds pairs t + 4j, half-word a of the block.
     VL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 8, 1], [1, 1, 1], [2, 0, 1])
 
-    sid = NW + gl.program_id(0) // HT
-    r0 = (gl.program_id(0) % HT) * R4
-    bh = gl.program_id(1)
     b = bh // HKV
-    length = gl.load(len_ptr + b)
-    slot = bh * NS + sid
-    n_int2 = gl.maximum(length - S - W, 0) // TB * TB
-    hole_lo = 0
-    hole_hi = 0
-    if SLIDE:
-        if HOLE:
-            base = gl.maximum(n_int2 - T, 0)
-            hole_lo = base % T
-            hole_hi = hole_lo + gl.maximum(length - S - W - T - base, 0)
-        n_int2 = gl.minimum(n_int2, T)     # the ring's T rows hold its last T INT2 tokens
-    chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
-    chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
-    if STRIDED:
-        gl.static_assert(STAGES == 0)
-        active = gl.cdiv(n_int2, chunk)
-        start = gl.where(sid - NW < active, (sid - NW) * BLOCK_N, n_int2)
-        end = n_int2
-        step = gl.maximum(active, 1) * BLOCK_N
-    else:
-        start = (sid - NW) * chunk
-        end = gl.minimum(start + chunk, n_int2)
-        step = BLOCK_N
-
     # Query operands Q̂_o [κ, column] = q̃[r, c_o(κ)]·4^-ρ, loop invariant. Keys per token at 4 heads a
     # program: column 2r + g, zero unless channel c_o(κ) is in group g (a thread's two score columns are the
     # two groups of one head); otherwise column CW·r (CW − 1 zero columns after it). Product o reads row word
