@@ -826,7 +826,8 @@ def flat_splits(pairs: int, splits_a_wave: int) -> bool:
     about 4% where nothing idles (chunks, not strided tiles, and the loop over pairs), so they pay only where more
     does. H100, Qwen3-8B's shape, graph, best of 3 interleaved, whole splits / flat (µs, kernel_notes.md v27): 100K x
     30 (1,920 of 2,112 busy) 757.9 / 741.2, ragged 644.1 / 630.8; 100K x 28 (2,016) 692.6 / 694.3; 100K x 32 (2,048)
-    774.8 / 789.7; 100K x 24 (all) 574.9 / 597.0."""
+    774.8 / 789.7; 100K x 24 (all) 574.9 / 597.0. Where no strided tiles are lost more (100K x 30: GQA 8 874.9 /
+    824.3, GQA 5 866.7 / 798.2, Qwen3-8B with keys per channel 853.7 / 795.6, head_dim 64 412.8 / 391.4)."""
     return pairs < splits_a_wave and splits_a_wave - pairs * (splits_a_wave // pairs) > 0.08 * splits_a_wave
 
 
