@@ -373,9 +373,10 @@ def main():
                            heads=SHAPES[args.model]["num_attention_heads"], windows=windows)
     weights = torch.cuda.memory_allocated()
     compiled = compile_shared_parts(model) if args.compile else 0
-    res = dict(compiled_modules=compiled, model=args.model, key_axis=args.key_axis, value_layout=args.value_layout, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
+    res = dict(model=args.model, key_axis=args.key_axis, value_layout=args.value_layout, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
                torch=torch.__version__, layers=args.layers, steps=args.steps, build_s=time.perf_counter() - t0,
                date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    res["compiled_modules"] = compiled
     import transformers
     import triton
     res["versions"] = f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
