@@ -452,6 +452,41 @@ def test_long_small_batches_leave_the_window_programs_a_slot(context, batch, wav
     assert splits * batch * 8 <= use * sms
 
 
+def flat_segments(p, programs, tiles, block=64):
+    """(pair, k, start row, end row) of flat program p, as decode_gluon's FLAT computes them: pairs own P units each,
+    program p the units [p·Q, (p + 1)·Q), a unit 1/P of the pair's tiles (tiles[bh] of them)."""
+    big_p, q = programs, len(tiles)
+    u0 = p * q
+    for bh in range(u0 // big_p, (u0 + q - 1) // big_p + 1):
+        lo, hi = max(u0 - bh * big_p, 0), min(u0 + q - bh * big_p, big_p)
+        yield bh, p - bh * big_p // q, lo * tiles[bh] // big_p * block, hi * tiles[bh] // big_p * block
+
+
+@pytest.mark.parametrize("programs,tiles", [(2112, [1600] * 240), (2112, [1600] * 216), (1056, [1563] * 240),
+                                            (2112, [1 + 37 * i % 1600 for i in range(240)]), (2112, [0, 5] * 120),
+                                            (1980, [1600] * 7)])
+def test_flat_rows_cover_every_tile_once(programs, tiles):
+    """The flat programs' shares tile every pair's rows exactly once, in order, each program at most two pairs, its
+    share of equal lengths within a tile of the others', and a pair's k below flat_programs_a_pair (the splits
+    decode._plan allots)."""
+    rows = {bh: [] for bh in range(len(tiles))}
+    work = []
+    for p in range(programs):
+        segments = list(flat_segments(p, programs, tiles))
+        assert 1 <= len(segments) <= 2
+        work.append(sum(end - start for _, _, start, end in segments))
+        for bh, k, start, end in segments:
+            assert 0 <= k < decode.flat_programs_a_pair(programs, len(tiles))
+            rows[bh].append((k, start, end))
+    for bh, parts in rows.items():
+        parts.sort()
+        assert [k for k, _, _ in parts] == list(range(len(parts)))
+        assert parts[0][1] == 0 and parts[-1][2] == tiles[bh] * 64
+        assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))
+    if len(set(tiles)) == 1:
+        assert max(work) - min(work) <= 2 * 64
+
+
 @pytest.mark.parametrize("pairs,wave,expect", [(240, 2112, True), (440, 2112, True), (216, 2112, False),
                                                (256, 2112, False), (192, 2112, False), (64, 2112, False),
                                                (2200, 2112, False), (8, 1980, False)])

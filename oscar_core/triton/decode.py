@@ -831,6 +831,12 @@ def flat_splits(pairs: int, splits_a_wave: int) -> bool:
     return pairs < splits_a_wave and splits_a_wave - pairs * (splits_a_wave // pairs) > 0.08 * splits_a_wave
 
 
+def flat_programs_a_pair(splits_a_wave: int, pairs: int) -> int:
+    """The most flat programs (decode_gluon's FLAT) that meet one pair: a pair's P units span ⌈P / Q⌉ programs of Q
+    units, and one more where neither of its ends falls on a program's edge."""
+    return -(-splits_a_wave // pairs) + 1
+
+
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:
     """Whether the Gluon programs mask every tile's scores to their rows (else only a program's last tile, behind a
     warp-uniform branch). The branch takes 25-50 instructions a tile off the loop, but ptxas schedules the
@@ -1202,9 +1208,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                 and _gluon_programs_per_sm(cache, dict(consts, FLAT=True, STRIDED=False), q.device) >= slots)
     if flat:
         consts.update(FLAT=True, STRIDED=False)
-        # The programs a pair meets: P / Q of them, and one more where neither end falls on a program's edge.
         n_int2 = bsz * kv_heads
-        ns = nw + -(-splits_a_wave // n_int2) + 1
+        ns = nw + flat_programs_a_pair(splits_a_wave, n_int2)
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
     qp = max(16, hgp)
     # Splits merged per step in the fused merge: the [SB, QP, d] partial tile at about 64 registers a thread.
