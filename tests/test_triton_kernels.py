@@ -87,6 +87,7 @@ def to_device(cache):
 
 @pytest.mark.parametrize("d,heads,kv_heads,key_group,value_group,lengths,key_t", [
     (64, 16, 2, 64, 64, [700, 50, 330, 1], True),
+    (64, 14, 2, 64, 64, [300, 41, 130, 7, 70, 200, 5, 99], True),   # 16 pairs at d 64: the reduce's 8 columns
     (128, 8, 2, 64, 64, [900, 321, 64, 65], True),
     (128, 8, 2, 64, 64, [900, 321, 64, 65], False),
     (128, 8, 2, 64, 128, [419, 7], False),

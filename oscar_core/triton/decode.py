@@ -1216,10 +1216,13 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     sb = max(1, min(32, _pow2(ns), 2048 * num_warps // (qp * d)))
     sb = 1 << (sb.bit_length() - 1)
     split = bsz * kv_heads * ns * hg
-    # Columns of õ a reduce program merges and rotates: 8 at 8 (sequence, KV head) pairs or fewer, twice the
-    # programs (H100, graph, 32K x 1 and 100K x 1: 1-3% faster; at batch 8 0.5-3% slower; kernel_notes.md v15).
-    # Not 4: with 16 heads a KV head its programs gave wrong outputs on the H100 (triton 3.6; kernel_notes.md v20).
-    block_c = min(d, 8 if few_pairs else 16)
+    # Columns of õ a reduce program merges and rotates: 8 where 16 would give 64 programs or fewer (8 pairs or fewer,
+    # or 16 at head_dim 64), twice the programs. H100, graph: 32K x 1 and 100K x 1 1-3% faster (kernel_notes.md
+    # v15); Qwen2.5-0.5B's 14/2 heads at 100K x 8 (16 pairs, d 64) 50.0 -> 49.0 µs, 16K x 8 23.9 -> 22.7; at 128
+    # programs or more no faster (Qwen3-8B 32K x 2 37.3 -> 37.8, SmolLM2 at 100K x 8 even; v28). Not 4: with 16
+    # heads a KV head its programs gave wrong outputs on the H100 (triton 3.6; kernel_notes.md v20), and it was
+    # no faster elsewhere (v28).
+    block_c = min(d, 8 if few_pairs or bsz * kv_heads * d // 16 <= 64 else 16)
     # Beyond 64 splits the partials are loaded beside their l_s (H100, graph, 100K x 8: Qwen2.5-0.5B's 136 splits
     # 0.0580 -> 0.0566 ms; at 38 splits, Qwen3-8B, 0.1-1.2% slower; kernel_notes.md v20).
     gated = _pow2(ns) <= 64
