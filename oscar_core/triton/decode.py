@@ -1183,8 +1183,13 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     # the Triton INT2 programs' one they finish sooner (H100, graph, 1 / 4 / 8 warps, µs: 32K x 8 90.9 / 87.5 /
     # 85.4, 16K x 8 61.7 / 58.0 / 56.9, 100K x 8 208.4 / 205.1 / 204.4, 32K x 32 286.6 / 282.7 / 280.5); beyond 64
     # pairs 4 (100K x 32 760.0 / 761.8 / 766.0). At 8 pairs or fewer, where gluon_waves leaves them a slot, they keep
-    # default_config's one (100K x 1: 48.0 / 47.7 / - µs, within noise). kernel_notes.md v26.
-    window_warps = num_warps if not gluon or few_pairs else 8 if bsz * kv_heads <= 64 else 4
+    # default_config's one (100K x 1: 48.0 / 47.7 / - µs, within noise). kernel_notes.md v26. At head_dim 256
+    # gluon_waves leaves them no slot, so there they take 8 as well (Gemma 3 270M's 4/1 heads at 8 pairs, 2 / 4 / 8
+    # warps: 100K x 8 81.6 / 77.2 / 77.4, keys per channel 98.1 / 95.9 / 94.4, 16K x 8 38.7 / 34.9 / 33.9; v28).
+    if gluon and (not few_pairs or d == 256):
+        window_warps = 8 if bsz * kv_heads <= 64 else 4
+    else:
+        window_warps = num_warps
     consts = {}
     if gluon:
         consts = dict(gluon_constexprs(cache, heads, d, nw, heads_per_program), PDL=pdl)
