@@ -666,7 +666,7 @@ def default_config(batch: int, kv_heads: int, head_dim: int = 128, gluon: bool =
     1-8 pairs 2-20% faster; 64 rows lost at some lengths; kernel_notes.md v16)."""
     pairs = batch * kv_heads
     if gluon:
-        # (num_warps: the window programs'; two at head_dim 256 as below.)
+        # (num_warps: the window programs' at 8 pairs or fewer below head_dim 256; elsewhere _plan gives them 8 or 4.)
         return dict(block_n=64, num_warps=2 if head_dim > 128 else 1, num_stages=1, waves=16, key_t=True,
                     min_chunk=128)
     if pairs > 16:
