@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import shapes  # noqa: E402
 from kernel import copy_bandwidth, graph_bench  # noqa: E402
 
-from oscar_core import kvstore  # noqa: E402
 from oscar_core.triton import decode  # noqa: E402
 
 POINTS = {  # label part (shapes.SHAPES) -> context x batch points
@@ -51,13 +50,10 @@ def _rotation(q, key_rotation, pdl=False, _orig=decode.rotate_query_bf16):
 
 
 def time_point(shape, context, bsz, bandwidth, gen) -> dict:
-    label, heads, kv_heads, d, gk, gv, axis = shape
-    layer = shapes.layer_of(kv_heads, d, gen)
+    label, _, kv_heads, d, gk, gv, axis = shape
+    layer, q, out = shapes.timing_inputs(shape, bsz, gen)
     cache = shapes.random_store(bsz, kv_heads, d, context, gk, gv, axis, gen)
-    q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
-    out = torch.empty_like(q)
     plan = decode.launch_plan(q, cache, max_length=context)
-    nbytes = kvstore.store_nbytes(bsz, context, kv_heads, d, gk, gv, key_axis=axis) + 2 * 2 * q.numel()
     call = lambda: decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation,  # noqa: E731
                                            layer.value_mean, d ** -0.5, max_length=context, out=out, graph=False)
     best = {}
@@ -69,7 +65,7 @@ def time_point(shape, context, bsz, bandwidth, gen) -> dict:
     LEFT_OUT.clear()
     return dict(shape=label, context=context, batch=bsz, gluon=plan.gluon, int2_grid=list(plan.gluon_grid),
                 window_grid=list(plan.split_grid), reduce_grid=list(plan.reduce_grid),
-                floor=nbytes / bandwidth * 1e3, **best)
+                floor=shapes.floor_bytes(shape, context, bsz) / bandwidth * 1e3, **best)
 
 
 def render(rows, bandwidth) -> str:

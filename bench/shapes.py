@@ -173,6 +173,12 @@ def random_store(bsz, kv_heads, d, context, gk, gv, axis, gen) -> kvstore.Int2KV
     return cache
 
 
+def floor_bytes(shape, context, bsz) -> int:
+    """The bytes a decode call must move at least: the full store, plus the bf16 query read and output written."""
+    _, heads, kv_heads, d, gk, gv, axis = shape
+    return kvstore.store_nbytes(bsz, context, kv_heads, d, gk, gv, key_axis=axis) + 2 * 2 * bsz * heads * d
+
+
 def time_size(shape, context, bsz, bandwidth, gen) -> dict:
     label, heads, kv_heads, d, gk, gv, axis = shape
     layer = layer_of(kv_heads, d, gen)
@@ -186,7 +192,7 @@ def time_size(shape, context, bsz, bandwidth, gen) -> dict:
         return lambda: decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
                                                d ** -0.5, max_length=context, out=out, **kw)
 
-    nbytes = kvstore.store_nbytes(bsz, context, kv_heads, d, gk, gv, key_axis=axis) + 2 * 2 * q.numel()
+    nbytes = floor_bytes(shape, context, bsz)
     row.update(floor=nbytes / bandwidth * 1e3, int2_graph=graph_bench(int2()), int2_eager=eager_ms(int2()))
     if decode.gluon_supported(q, cache) and heads // kv_heads > 4:
         other = other_heads_per_program(q, cache)

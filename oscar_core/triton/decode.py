@@ -1133,6 +1133,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     """Check the shape and derive every launch setting of decode_attention (its docstring)."""
     bsz, heads, d = q.shape
     kv_heads = cache.key_codes.shape[1]
+    pairs = bsz * kv_heads     # (sequence, KV head) pairs
     hg = heads // kv_heads
     gk, gv = cache.key_group_size, cache.value_group_size
     tb = cache.token_block
@@ -1150,8 +1151,8 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         # (H100, graph, 8K x 1: Qwen3-8B 0.023 against 0.025 ms, keys per channel 0.024 against 0.032,
         # Llama-3.2-1B's d 64 0.025 both; GQA 16 0.033 against 0.065; kernel_notes.md v14).
         gluon = (not fused and gluon_supported(q, cache) and max_int2 > 0
-                 and (bsz * kv_heads > 16 or max_int2 >= 4096 or hg > 4))
-        if gluon and d == 256 and bsz * kv_heads < 8:
+                 and (pairs > 16 or max_int2 >= 4096 or hg > 4))
+        if gluon and d == 256 and pairs < 8:
             # Below 8 pairs at head_dim 256 the Triton programs' four-warp tiles win up to 100K with keys per token
             # (Gemma 3 270M's 4/1 heads at 100K x 1: 0.036 against 0.044 ms) and up to 64K with keys per channel
             # (100K x 1: 0.054 against 0.045; kernel_notes.md v16).
@@ -1159,7 +1160,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     elif gluon and (fused or not gluon_supported(q, cache)):
         raise ValueError("the Gluon INT2 programs need a CUDA GPU (sm_80+), head_dim 64, 128 or 256, groups of 64 "
                          "or 128, at most 16 query heads per KV head, whole 64-row INT2 blocks and fused=False")
-    few_pairs = bsz * kv_heads <= 8
+    few_pairs = pairs <= 8
     if pdl is None:
         # At batch 1 (8 pairs or fewer) the launch gaps are a share of the call worth saving (H200, graph, off / on,
         # kernel_notes.md v19: Qwen3-8B 8K x 1 0.0204 / 0.0197 ms, 16K x 1 0.0226 / 0.0216, 100K x 1 0.0458 /
@@ -1187,14 +1188,14 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     # gluon_waves leaves them no slot, so there they take 8 as well (Gemma 3 270M's 4/1 heads at 8 pairs, 2 / 4 / 8
     # warps: 100K x 8 81.6 / 77.2 / 77.4, keys per channel 98.1 / 95.9 / 94.4, 16K x 8 38.7 / 34.9 / 33.9; v28).
     if gluon and (not few_pairs or d == 256):
-        window_warps = 8 if bsz * kv_heads <= 64 else 4
+        window_warps = 8 if pairs <= 64 else 4
     else:
         window_warps = num_warps
     consts = {}
     if gluon:
         consts = dict(gluon_constexprs(cache, heads, d, nw, heads_per_program), PDL=pdl)
         slots = _gluon_programs_per_sm(cache, consts, q.device)
-        cfg["waves"] = gluon_waves(bsz * kv_heads, max_int2, d, slots, consts["HT"], _num_sms(q.device),
+        cfg["waves"] = gluon_waves(pairs, max_int2, d, slots, consts["HT"], _num_sms(q.device),
                                    cfg["min_chunk"])
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
@@ -1208,36 +1209,36 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     if flat is None:
         # Where the wave, not min_chunk, bounds the splits, at head_dim 64 and 128 (at 256 the flat programs spill 16
         # bytes, not 8: not measured), and only where they fit a multiprocessor as many to one (the wave's size).
-        flat = (gluon and consts["STAGES"] == 0 and d <= 128 and n_int2 == splits_a_wave // (bsz * kv_heads)
-                and flat_splits(bsz * kv_heads, splits_a_wave)
+        flat = (gluon and consts["STAGES"] == 0 and d <= 128 and n_int2 == splits_a_wave // pairs
+                and flat_splits(pairs, splits_a_wave)
                 and _gluon_programs_per_sm(cache, dict(consts, FLAT=True, STRIDED=False), q.device) >= slots)
     if flat:
         consts.update(FLAT=True, STRIDED=False)
-        n_int2 = bsz * kv_heads
+        n_int2 = pairs
         ns = nw + flat_programs_a_pair(splits_a_wave, n_int2)
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
     qp = max(16, hgp)
     # Splits merged per step in the fused merge: the [SB, QP, d] partial tile at about 64 registers a thread.
     sb = max(1, min(32, _pow2(ns), 2048 * num_warps // (qp * d)))
     sb = 1 << (sb.bit_length() - 1)
-    split = bsz * kv_heads * ns * hg
+    split = pairs * ns * hg
     # Columns of õ a reduce program merges and rotates: 8 where 16 would give 64 programs or fewer (8 pairs or fewer,
     # or 16 at head_dim 64), twice the programs. H100, graph: 32K x 1 and 100K x 1 1-3% faster (kernel_notes.md
     # v15); Qwen2.5-0.5B's 14/2 heads at 100K x 8 (16 pairs, d 64) 50.0 -> 49.0 µs, 16K x 8 23.9 -> 22.7; at 128
     # programs or more no faster (Qwen3-8B 32K x 2 37.3 -> 37.8, SmolLM2 at 100K x 8 even; v28). Not 4: with 16
     # heads a KV head its programs gave wrong outputs on the H100 (triton 3.6; kernel_notes.md v20), and it was
     # no faster elsewhere (v28).
-    block_c = min(d, 8 if few_pairs or bsz * kv_heads * d // 16 <= 64 else 16)
+    block_c = min(d, 8 if few_pairs or pairs * d // 16 <= 64 else 16)
     # Beyond 64 splits the partials are loaded beside their l_s (H100, graph, 100K x 8: Qwen2.5-0.5B's 136 splits
     # 0.0580 -> 0.0566 ms; at 38 splits, Qwen3-8B, 0.1-1.2% slower; kernel_notes.md v20).
     gated = _pow2(ns) <= 64
     # The reduce's shares of õ·R_V^T.
-    shares = 0 if fused or not rotate_values else bsz * kv_heads * (d // block_c) * _pow2(hg) * d
+    shares = 0 if fused or not rotate_values else pairs * (d // block_c) * _pow2(hg) * d
     launch = dict(launch_pdl=True) if pdl else {}
     window_launch = dict(launch_pdl=True) if window_pdl else {}
     return _Plan(
         gluon=gluon, pdl=pdl, ns=ns, n_int2=n_int2, min_chunk=cfg["min_chunk"], split=split, work=split * (d + 2) + shares,
-        split_grid=(nw if gluon else ns, bsz * kv_heads),
+        split_grid=(nw if gluon else ns, pairs),
         split_consts=dict(HKV=kv_heads, HG=hg, D=d, GK=gk, GV=gv, S=cache.sink_tokens, W=cache.recent_tokens,
                           HGP=hgp, QP=qp, NW=nw, BLOCK_N=block_n, BLOCK_W=block_w, SB=sb, BLOCK_E=min(d, 16),
                           KEY_T=key_t, USE_ASM=use_asm, ROTATE=fused, MERGE=fused, HAS_MEAN=has_mean,
@@ -1245,9 +1246,9 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           VT=cache.value_tiles, PDL=window_pdl, HOLE=hole(cache), SLIDE=cache.window is not None,
                           num_warps=window_warps,
                           num_stages=num_stages, **window_launch),
-        gluon_grid=(splits_a_wave * consts["HT"], 1) if flat else (n_int2 * consts.get("HT", 1), bsz * kv_heads),
+        gluon_grid=(splits_a_wave * consts["HT"], 1) if flat else (n_int2 * consts.get("HT", 1), pairs),
         gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
-        reduce_grid=(bsz * kv_heads, d // block_c),
+        reduce_grid=(pairs, d // block_c),
         reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),
                                                                            max(8, _pow2(ns))),
                            BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, GATED=gated, ROTATE=rotate_values,
