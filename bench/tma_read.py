@@ -21,9 +21,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, "bench")
 from kernel import graph_bench  # noqa: E402
 
-TILES = 1557          # 64-token tiles of a pair at 100K
-ROW_WORDS = 128           # int32 words a descriptor row (512 bytes); a tile is 9 rows: 8 of codes, 1 of metadata
+TILES = 1557        # 64-token tiles of a pair at 100K
+ROW_WORDS = 128     # int32 words a descriptor row (512 bytes); a tile is 9 rows: 8 of codes, 1 of metadata
 ROW = gl.constexpr(ROW_WORDS)
+
+
+@gluon.jit
+def _xor(a, b):
+    return a ^ b
 
 
 @gluon.jit
@@ -62,11 +67,6 @@ def _read_ring(codes_desc, meta_desc, out_ptr, tiles, STAGES: gl.constexpr):
             tma.async_copy_global_to_shared(meta_desc, [row0 + 9 * (i + STAGES) + 8, 0], bars.index(s), meta.index(s))
     x = gl.reduce(gl.reshape(acc, [8 * ROW]), 0, _xor) ^ gl.reduce(gl.reshape(macc, [ROW]), 0, _xor)
     gl.store(out_ptr + bh * gl.num_programs(0) + split, x)
-
-
-@gluon.jit
-def _xor(a, b):
-    return a ^ b
 
 
 def main():
