@@ -20,10 +20,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, "bench")
 from kernel import graph_bench  # noqa: E402
+from read_ceiling import TILES  # noqa: E402
 
-TILES = 1557        # 64-token tiles of a pair at 100K
 ROW_WORDS = 128     # int32 words a descriptor row (512 bytes); a tile is 9 rows: 8 of codes, 1 of metadata
 ROW = gl.constexpr(ROW_WORDS)
+TILE_BYTES = 9 * ROW_WORDS * 4
 
 
 @gluon.jit
@@ -74,8 +75,9 @@ def main():
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     print("# INT2 store tiles read through a TMA ring (bench/tma_read.py)\n")
-    print(f"- {props.name}, torch {torch.__version__}; Qwen3-8B's store at 100K: {TILES} tiles of 4,608 bytes a "
-          "(sequence, KV head) pair; graph replays (~4.8 µs of the bench's own in each); TB/s = tile bytes / time")
+    print(f"- {props.name}, torch {torch.__version__}; Qwen3-8B's store at 100K: {TILES} tiles of {TILE_BYTES:,} "
+          "bytes a (sequence, KV head) pair; graph replays (~4.8 µs of the bench's own in each); TB/s = tile bytes / "
+          "time")
     print("- read_ceiling.md, loads into registers, best grids: batch 1 30.9 µs, batch 8 165.4 µs, batch 32 615.6 µs\n")
     print("| batch | pairs | programs a SM | splits a pair | stages | µs | TB/s |")
     print("|---|---|---|---|---|---|---|")
@@ -88,13 +90,13 @@ def main():
             splits = max(1, per_sm * sms // pairs)
             out = torch.empty(pairs * splits, dtype=torch.int32, device="cuda")
             for stages in (2, 3, 4, 6):
-                if per_sm * (stages * 4608 + 1024 + 64) > props.shared_memory_per_multiprocessor:
+                if per_sm * (stages * TILE_BYTES + 1024 + 64) > props.shared_memory_per_multiprocessor:
                     continue
                 fn = lambda: _read_ring[(splits, pairs)](codes_desc, meta_desc, out, TILES, STAGES=stages,  # noqa: E731
                                                           num_warps=1)
                 t = min(graph_bench(fn) for _ in range(3))
                 print(f"| {batch} | {pairs} | {per_sm} | {splits} | {stages} | {t * 1e3:.1f} | "
-                      f"{pairs * TILES * 4608 / t / 1e9:.2f} |", flush=True)
+                      f"{pairs * TILES * TILE_BYTES / t / 1e9:.2f} |", flush=True)
         del store
 
 
