@@ -78,7 +78,8 @@ def main():
     print(f"- {props.name}, torch {torch.__version__}; Qwen3-8B's store at 100K: {TILES} tiles of {TILE_BYTES:,} "
           "bytes a (sequence, KV head) pair; graph replays (~4.8 µs of the bench's own in each); TB/s = tile bytes / "
           "time")
-    print("- read_ceiling.md, loads into registers, best grids: batch 1 30.9 µs, batch 8 165.4 µs, batch 32 615.6 µs\n")
+    print("- read_ceiling.md, loads into registers, best grids: batch 1 30.9 µs, batch 8 165.4 µs, "
+          "batch 32 615.6 µs\n")
     print("| batch | pairs | programs a SM | splits a pair | stages | µs | TB/s |")
     print("|---|---|---|---|---|---|---|")
     for batch in (1, 8, 32):
