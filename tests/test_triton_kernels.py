@@ -333,6 +333,8 @@ def test_decode_kernel_channel_keys_match_reference(d, heads, kv_heads, key_grou
     (128, 10, 2, 64, "token", [700, 130]),
     (128, 16, 2, 64, "token", [1500, 400]),
     (128, 24, 2, 64, "token", [900, 200]),                # GQA 12: one program of 16 heads (4 padding) or two
+    (128, 32, 2, 64, "token", [1500, 400, 65]),           # GQA 16 over 2 programs of 8 or one of 16
+    (128, 18, 2, 128, "token", [700, 200]),               # GQA 9, groups of 128: 7 heads of padding at 16
     (64, 14, 2, 64, "token", [1200, 70, 500]),
     (256, 4, 1, 64, "token", [900, 321, 70]),             # head_dim 256: Gemma 3 270M / 1B's attention
     (256, 4, 2, 128, "token", [700, 130]),                # groups of 128, 2 heads a KV head (Gemma 3 12B's GQA)
