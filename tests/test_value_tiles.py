@@ -136,8 +136,9 @@ def test_triton_writes_and_reads_tiles_as_rows(axis):
 def test_gluon_programs_read_tiles_as_rows(monkeypatch, d, heads, kv_heads, group, axis):
     """The Gluon programs over a store of each layout (the same content, prefilled by the reference): within 1e-2 of
     the reference, and the same outputs bit for bit when the rows are read by the tile program's settings but its
-    layout (the default settings of the two layouts may differ in where they mask and whether they load keys a tile
-    ahead, which can move a last bit: decode.mask_every_tile, decode.keys_ahead)."""
+    layout (the default settings of the two layouts may differ in where they mask, whether they load keys a tile
+    ahead and which tiles a split takes, which can move a last bit: decode.mask_every_tile, decode.keys_ahead,
+    decode.strided_tiles)."""
     gen = torch.Generator().manual_seed(d + heads)
     lengths = [1500, 321, 64]
     layer = layer_of(gen, kv_heads, d)
@@ -167,7 +168,8 @@ def test_gluon_programs_read_tiles_as_rows(monkeypatch, d, heads, kv_heads, grou
 
     def tile_settings(cache, *args, **kw):
         tiles = default(stores[1], *args, **kw)
-        return dict(default(cache, *args, **kw), MASK_ALL=tiles["MASK_ALL"], KEYS_AHEAD=tiles["KEYS_AHEAD"])
+        return dict(default(cache, *args, **kw), MASK_ALL=tiles["MASK_ALL"], KEYS_AHEAD=tiles["KEYS_AHEAD"],
+                    STRIDED=tiles["STRIDED"])
 
     monkeypatch.setattr(decode, "gluon_constexprs", tile_settings)
     monkeypatch.setattr(decode, "_PLANS", {})
