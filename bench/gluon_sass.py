@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -32,7 +33,11 @@ from oscar_core import kvstore  # noqa: E402
 from oscar_core.triton import decode, decode_gluon  # noqa: E402
 
 TYPES = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8", vz_ptr="*u8",
-             len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32")
+             len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
+             # decode.tma_descriptors' (read only where TMA > 0)
+             kdesc=f"tensordesc<i32[16, 32],{gl.NVMMASharedLayout(128, 32, 2)!r}>",
+             vdesc=f"tensordesc<i32[16, 32],{gl.NVMMASharedLayout(128, 32, 2)!r}>",
+             **{a: f"tensordesc<i32[1, 32],{gl.NVMMASharedLayout(0, 32, 2)!r}>" for a in ("mk0", "mk1", "mv0", "mv1")})
 SMEM_PER_SM = 228 * 1024    # H100
 
 

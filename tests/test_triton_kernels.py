@@ -367,6 +367,34 @@ def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths
             assert err(gluon=True, flat=True) < bound, (mean is None, "flat")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="the TMA ring needs a Hopper GPU")
+def test_tma_ring_gives_the_loads_outputs(monkeypatch):
+    """The Gluon programs reading through the TMA ring (decode.tma_stages) give the outputs of those loading into
+    registers, bit for bit (the same products in the same order, the same grid), on a ragged batch of 128 pairs;
+    both within 1e-2 of the reference."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1500, 400, 65, 2000, 1234, 777, 64, 1999] * 2
+    cache, layer, q = build(gen, lengths, 32, 8, 128, 64, 64, sink=16, recent=32)
+    on_device = to_device(cache)
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
+                                             128 ** -0.5)
+    outs = {}
+    for stages in (0, 2):
+        monkeypatch.setattr(decode, "tma_stages", lambda major, consts, pairs, stages=stages: stages)
+        monkeypatch.setattr(decode, "_PLANS", {})
+        plan = decode.launch_plan(q.to(DEVICE), on_device, gluon=True)
+        assert plan.gluon_consts["TMA"] == stages and not plan.gluon_consts["FLAT"]
+        # Twice: the first call compiles and launches through the JIT, the second the compiled kernel directly.
+        calls = [decode.decode_attention(q.to(DEVICE), on_device, layer.key_rotation.to(DEVICE),
+                                         layer.value_rotation.to(DEVICE), layer.value_mean.to(DEVICE), 128 ** -0.5,
+                                         gluon=True, graph=False) for _ in range(2)]
+        assert torch.equal(calls[0], calls[1])
+        outs[stages] = calls[0]
+        assert relative_errors(outs[stages], ref).max().item() < 1e-2
+    assert torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon programs need a GPU")
 @pytest.mark.parametrize("context,batch,heads,axis,expect,kv_heads,d", [
     (2048, 1, 32, "token", False, 8, 128),    # 1,728 INT2 rows, 8 pairs, 4 heads a KV head: the Triton programs
@@ -498,6 +526,31 @@ def test_flat_splits_where_whole_splits_leave_the_wave_idle(pairs, wave, expect)
     of 2,112; 55: 1,760), not at batch 27 (1,944: 7.95%) or 32 (2,048), nor where the pairs divide the wave or
     outnumber it."""
     assert decode.flat_splits(pairs, wave) == expect
+
+
+@pytest.mark.parametrize("pairs,expect", [(240, False), (440, True), (216, False), (256, False)])
+def test_flat_splits_leave_the_tma_ring_its_batches(pairs, expect):
+    """Where whole splits would read through the TMA ring, flat rows only beyond 12% of the wave idle: not at batch 30
+    of 8 KV heads (9.1%, where the ring is faster), still at 55 (16.7%)."""
+    assert decode.flat_splits(pairs, 2112, ring=True) == expect
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,group,axis,layout,major,pairs,expect", [
+    (32, 8, 128, 64, "token", "tiles", 9, 256, 2),       # Qwen3-8B at batch 32 on a Hopper
+    (32, 8, 128, 64, "token", "tiles", 9, 128, 2),
+    (32, 8, 128, 64, "token", "tiles", 9, 64, 0),        # batch 8: no faster
+    (32, 8, 128, 64, "token", "tiles", 8, 256, 0),       # an A100 has no TMA
+    (32, 8, 128, 64, "token", "rows", 9, 256, 0),
+    (32, 8, 128, 64, "channel", "tiles", 9, 256, 0),
+    (32, 8, 128, 128, "token", "tiles", 9, 256, 0),
+    (64, 8, 128, 64, "token", "tiles", 9, 256, 0),       # 8 heads a program
+    (16, 8, 256, 64, "token", "tiles", 9, 256, 0),
+])
+def test_tma_ring_only_where_measured(heads, kv_heads, d, group, axis, layout, major, pairs, expect):
+    """The TMA ring (decode.tma_stages) for the 4-head programs at head_dim 128 with keys per token, two groups a
+    token and the value codes in tiles, from 128 pairs, on compute capability 9 and later; nowhere else."""
+    cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis, value_layout=layout)
+    assert decode.tma_stages(major, decode.gluon_constexprs(cache, heads, d, 6), pairs) == expect
 
 
 @pytest.mark.parametrize("pairs,max_int2,d,slots,ht,expect", [

@@ -756,7 +756,7 @@ def gluon_constexprs(cache: Int2KVCache, heads: int, head_dim: int, window_progr
                 D=head_dim, MASK_ALL=mask_every_tile(head_dim, r4, ngv, tiles),
                 KEYS_AHEAD=keys_ahead(head_dim, r4, tb, ngk, tiles), VT=tiles, SLIDE=cache.window is not None,
                 HOLE=hole(cache), PF=prefetch_tiles(head_dim, r4, tb),
-                STRIDED=strided_tiles(head_dim, r4, tb, tiles), FLAT=False)
+                STRIDED=strided_tiles(head_dim, r4, tb, tiles), FLAT=False, TMA=0)
 
 
 def hole(cache: Int2KVCache) -> bool:
@@ -820,21 +820,42 @@ def strided_tiles(head_dim: int, heads_per_program: int, token_block: int, value
     return value_tiles and (head_dim == 64 or (head_dim == 128 and heads_per_program == 4 and token_block == 1))
 
 
-def flat_splits(pairs: int, splits_a_wave: int) -> bool:
+def flat_splits(pairs: int, splits_a_wave: int, ring: bool = False) -> bool:
     """Whether the Gluon programs take their rows flat (decode_gluon's FLAT) rather than in whole splits a pair: where
-    whole splits, ⌊S / pairs⌋ a pair of the S a wave holds, would leave more than 8% of the wave idle. Flat rows cost
-    about 4% where nothing idles (chunks, not strided tiles, and the loop over pairs), so they pay only where more
-    does. H100, Qwen3-8B's shape, graph, best of 3 interleaved, whole splits / flat (µs, kernel_notes.md v27): 100K x
+    whole splits, ⌊S / pairs⌋ a pair of the S a wave holds, would leave more than 8% of the wave idle; 12% where
+    whole splits would read through the TMA ring (ring: tma_stages), which flat rows do not and which gains 3-5%.
+    Flat rows cost about 4% where nothing idles (chunks, not strided tiles, and the loop over pairs), so they pay
+    only where more does. H100, Qwen3-8B's shape, graph, best of 3 interleaved, whole splits / flat (µs, kernel_notes.md v27): 100K x
     30 (1,920 of 2,112 busy) 757.9 / 741.2, ragged 644.1 / 630.8; 100K x 28 (2,016) 692.6 / 694.3; 100K x 32 (2,048)
     774.8 / 789.7; 100K x 24 (all) 574.9 / 597.0. Where no strided tiles are lost more (100K x 30: GQA 8 874.9 /
-    824.3, GQA 5 866.7 / 798.2, Qwen3-8B with keys per channel 853.7 / 795.6, head_dim 64 412.8 / 391.4)."""
-    return pairs < splits_a_wave and splits_a_wave - pairs * (splits_a_wave // pairs) > 0.08 * splits_a_wave
+    824.3, GQA 5 866.7 / 798.2, Qwen3-8B with keys per channel 853.7 / 795.6, head_dim 64 412.8 / 391.4). Against
+    whole splits through the ring, flat / ring (µs, bench/results/tma_ring.md): 100K x 30 (9.1% idle) 740.4 / 731.3,
+    32K x 30 275.9 / 267.3; 100K x 55 (16.7% idle) 1312.2 / 1413.1."""
+    idle = splits_a_wave - pairs * (splits_a_wave // pairs)
+    return pairs < splits_a_wave and idle > (0.12 if ring else 0.08) * splits_a_wave
 
 
 def flat_programs_a_pair(splits_a_wave: int, pairs: int) -> int:
     """The most flat programs (decode_gluon's FLAT) that meet one pair: a pair's P units span ⌈P / Q⌉ programs of Q
     units, and one more where neither of its ends falls on a program's edge."""
     return -(-splits_a_wave // pairs) + 1
+
+
+def tma_stages(major: int, constexprs: dict, pairs: int) -> int:
+    """Stages of the TMA ring through which the Gluon programs read their tiles (decode_gluon's TMA; 0: loads into
+    registers). A program issues each tile's bulk copies (TMA: compute capability 9 and later) two tiles ahead and
+    reads its operands from shared memory, so its loop waits on no global load. Only the 4-head programs at head_dim
+    128 with keys per token, two groups a token and the value codes in tiles (not a window's store, not flat rows),
+    and from 128 (sequence, KV head) pairs. H100, Qwen3-8B's shape, graph, best of 3 interleaved, loads / ring (µs,
+    bench/results/tma_ring.md): 100K x 32 755.3 / 733.4, ragged 674.3 / 637.7; 100K x 24 562.2 / 539.7; 100K x 16
+    391.3 / 377.2; 32K x 32 282.5 / 271.0; 32K x 16 153.3 / 149.3. Below 128 pairs it ties or loses: 100K x 8
+    203.3 / 201.5, 32K x 8 85.2 / 90.0, 100K x 1 47.3 / 49.1. Three and four stages hold more shared memory, so
+    fewer programs fit a multiprocessor, and lose (100K x 32 ragged: 671.3 and 703.0; kernel_notes.md v31). The
+    outputs are those of the loads, bit for bit."""
+    c = constexprs
+    fits = (c["D"] == 128 and c["R4"] == 4 and c["TB"] == 1 and c["NGK"] == c["NGV"] == 2 and c["VT"]
+            and not c["SLIDE"] and c["STAGES"] == 0 and not c.get("FLAT"))
+    return 2 if major >= 9 and fits and pairs >= 128 else 0
 
 
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:
@@ -907,7 +928,7 @@ def _gluon_programs_per_sm(cache: Int2KVCache, constexprs: dict, device: torch.d
     if key not in _GLUON_SLOTS:
         qt = torch.empty(1, dtype=torch.bfloat16, device=device)
         f32 = torch.empty(1, dtype=torch.float32, device=device)
-        args = _gluon_args(qt, cache, f32, f32, f32, 1.0, 2, 512, 2)
+        args = _gluon_args(qt, cache, f32, f32, f32, 1.0, 2, 512, 2, constexprs.get("TMA", 0) > 0)
         compiled = _gluon()._int2_split_kernel.warmup(*args, grid=(1, 1), **_gluon_options(constexprs),
                                                       **constexprs)
         compiled._init_handles()
@@ -936,11 +957,32 @@ def _gluon():
     return decode_gluon
 
 
-def _gluon_args(qt, cache, po, pm, pl, log2_scale, n_int2, min_chunk, ns) -> tuple:
-    """decode_gluon._int2_split_kernel's arguments before its constexprs (zeros read as bytes)."""
+def _gluon_args(qt, cache, po, pm, pl, log2_scale, n_int2, min_chunk, ns, tma: bool = False) -> tuple:
+    """decode_gluon._int2_split_kernel's arguments before its constexprs (zeros read as bytes), with the store's TMA
+    descriptors where its programs read through a TMA ring (tma_descriptors; None otherwise)."""
     return (qt, cache.key_codes.view(torch.int32), cache.key_scale, cache.key_zero.view(torch.uint8),
             cache.value_codes.view(torch.int16), cache.value_scale, cache.value_zero.view(torch.uint8),
-            cache.lengths, po, pm, pl, log2_scale, cache.key_codes.shape[2], n_int2, min_chunk, ns)
+            cache.lengths, po, pm, pl, log2_scale, cache.key_codes.shape[2], n_int2, min_chunk, ns,
+            *(tma_descriptors(cache) if tma else (None,) * 6))
+
+
+def tma_descriptors(cache: Int2KVCache) -> tuple:
+    """The TMA descriptors of a store's INT2 arrays, for decode_gluon's TMA ring: key and value codes as rows of 4
+    tokens (32 int32 words, a tile 16 rows, 128-byte swizzle), and the key scales, key zeros, value scales and
+    value zeros as rows of 64 tokens' bytes (a tile 1 row). Head_dim 128, two groups a token, value codes in tiles
+    (tma_stages)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def rows(x):   # a view of the store's own bytes (view, not reshape: never a copy)
+        return x.view(-1).view(torch.int32).view(-1, 32)
+
+    codes = gl.NVMMASharedLayout(128, 32, 2)
+    meta = gl.NVMMASharedLayout(0, 32, 2)
+    return (TensorDescriptor.from_tensor(rows(cache.key_codes), [16, 32], codes),
+            TensorDescriptor.from_tensor(rows(cache.value_codes), [16, 32], codes),
+            *(TensorDescriptor.from_tensor(rows(x), [1, 32], meta)
+              for x in (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero)))
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
@@ -1030,7 +1072,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     if plan.gluon:
         _launch(_gluon()._int2_split_kernel)(
             plan.gluon_grid, *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), plan.n_int2, plan.min_chunk,
-                                          plan.ns), **plan.gluon_consts)
+                                          plan.ns, plan.gluon_consts.get("TMA", 0) > 0), **plan.gluon_consts)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     if not fused:
@@ -1206,16 +1248,24 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     splits_a_wave = waves * _num_sms(q.device)
     if flat and not (gluon and consts["STAGES"] == 0):
         raise ValueError("flat needs the Gluon INT2 programs without their ring")
+    # The TMA ring, only where it leaves the programs a multiprocessor holds as they were (the grid is sized for them).
+    ring = None
+    if gluon and (stages := tma_stages(_capability(q.device)[0], consts, pairs)):
+        ring = dict(consts, TMA=stages)
+        if _gluon_programs_per_sm(cache, ring, q.device) != slots:
+            ring = None
     if flat is None:
         # Where the wave, not min_chunk, bounds the splits, at head_dim 64 and 128 (at 256 the flat programs spill 16
         # bytes, not 8: not measured), and only where they fit a multiprocessor as many to one (the wave's size).
         flat = (gluon and consts["STAGES"] == 0 and d <= 128 and n_int2 == splits_a_wave // pairs
-                and flat_splits(pairs, splits_a_wave)
+                and flat_splits(pairs, splits_a_wave, ring is not None)
                 and _gluon_programs_per_sm(cache, dict(consts, FLAT=True, STRIDED=False), q.device) >= slots)
     if flat:
         consts.update(FLAT=True, STRIDED=False)
         n_int2 = pairs
         ns = nw + flat_programs_a_pair(splits_a_wave, n_int2)
+    elif ring is not None:
+        consts = ring
     hgp = max(_pow2(hg), 16 // min(d // gk, d // gv))
     qp = max(16, hgp)
     # Splits merged per step in the fused merge: the [SB, QP, d] partial tile at about 64 registers a thread.

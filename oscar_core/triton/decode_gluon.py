@@ -36,10 +36,12 @@ same bf16 weights w = p·step).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 # Names that differ between triton 3.6 (the GPU image) and later releases.
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 _UNPACK_TEXT = """{
 .reg .b32 w, s6, s12;
@@ -409,13 +411,14 @@ def _store_block(optr, o, w_sum, z_sum, rho, omask, HL: gl.constexpr, cols: gl.c
 
 @gluon.jit
 def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
-                       log2_scale, T, n_int2_splits, min_chunk, NS,
+                       log2_scale, T, n_int2_splits, min_chunk, NS, kdesc, vdesc, mk0, mk1, mv0, mv1,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
                        MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr,
                        PDL: gl.constexpr = False, SLIDE: gl.constexpr = False, HOLE: gl.constexpr = False,
-                       PF: gl.constexpr = 0, STRIDED: gl.constexpr = False, FLAT: gl.constexpr = False):
+                       PF: gl.constexpr = 0, STRIDED: gl.constexpr = False, FLAT: gl.constexpr = False,
+                       TMA: gl.constexpr = 0):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
@@ -442,7 +445,11 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     divides among the pairs, and a pair's rows go to its programs by its own length as the splits' do. A program
     takes its part of each pair it meets (two at most while Q ≤ P), writing split NW + k of the pair, k its place
     among the pair's programs; the last of them marks the pair's unused splits empty. Not with STRIDED or the
-    ring."""
+    ring.
+    TMA > 0 (decode.tma_stages): the tiles come through a ring of TMA stages in shared memory, each tile's bulk copies
+    issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 128, NGK = NGV = 2,
+    R4 = 4, VT, not FLAT. kdesc, vdesc, mk0, mk1, mv0, mv1: the store's descriptors (decode.tma_descriptors) of the
+    key codes, value codes, key scales, key zeros, value scales and value zeros; None without the ring."""
     r0 = (gl.program_id(0) % HT) * R4
     if FLAT:
         gl.static_assert((STAGES == 0) and not STRIDED)
@@ -459,7 +466,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             k = p - bh * P // Q
             _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T,
                      bh, r0, bh * NS + NW + k, lo * tiles // P * BLOCK_N, end, BLOCK_N, hole_lo, hole_hi, HKV, HG,
-                     R4, BLOCK_N, STAGES, NGK, NGV, TB, D, MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF)
+                     R4, BLOCK_N, STAGES, NGK, NGV, TB, D, MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF,
+                     kdesc, vdesc, mk0, mk1, mv0, mv1, TMA)
             if p == ((bh + 1) * P - 1) // Q:
                 EL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
                 rr = r0 + gl.arange(0, R4, layout=EL)
@@ -484,7 +492,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             step = BLOCK_N
         _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T, bh,
                  r0, bh * NS + sid, start, end, step, hole_lo, hole_hi, HKV, HG, R4, BLOCK_N, STAGES, NGK, NGV, TB, D,
-                 MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF)
+                 MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF, kdesc, vdesc, mk0, mk1, mv0, mv1, TMA)
 
 
 @gluon.jit
@@ -511,7 +519,8 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
              bh, r0, slot, start, end, step, hole_lo, hole_hi,
              HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              NGK: gl.constexpr, NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr, MASK_ALL: gl.constexpr,
-             KEYS_AHEAD: gl.constexpr, VT: gl.constexpr, PDL: gl.constexpr, HOLE: gl.constexpr, PF: gl.constexpr):
+             KEYS_AHEAD: gl.constexpr, VT: gl.constexpr, PDL: gl.constexpr, HOLE: gl.constexpr, PF: gl.constexpr,
+             kdesc, vdesc, mk0, mk1, mv0, mv1, TMA: gl.constexpr):
     """Query heads r0 .. r0 + R4 − 1 of (sequence, KV head) bh over its INT2 rows start, start + step, ... below end
     (tiles of BLOCK_N), written as partial `slot` (_int2_split_kernel's docstring has the parameters)."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
@@ -702,6 +711,23 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             if start + i * BLOCK_N < end:
                 _issue(ksm, vsm, msm, i, kw, vh, mp, start + i * BLOCK_N, kc, vc)
             async_copy.commit_group()
+    if TMA > 0:
+        # The TMA ring: stage j holds a tile's key codes, value codes (each [16, 32] words: rows of 4 tokens, 128-byte
+        # swizzle) and its four metadata arrays' 128 bytes, copied by the bulk-copy engine as one transaction of
+        # 4,608 bytes on the stage's mbarrier.
+        kring = gl.allocate_shared_memory(gl.int32, [TMA, 16, 32], kdesc.layout)
+        vring = gl.allocate_shared_memory(gl.int32, [TMA, 16, 32], vdesc.layout)
+        mring = gl.allocate_shared_memory(gl.int32, [4 * TMA, 1, 32], mk0.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [TMA, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(TMA):
+            mbarrier.init(bars.index(j), count=1)
+        row4 = bh * (T // 4)
+        row64 = bh * (T // 64)
+        for j in gl.static_range(TMA):
+            tj = start + j * step
+            if tj < end:
+                _issue_tma(kdesc, vdesc, mk0, mk1, mv0, mv1, kring, vring, mring, bars, j, row4 + tj // 4,
+                           row64 + tj // 64)
     for t0 in range(start, end, step):
         # Rows up to t0 + BLOCK_N exist (T is a multiple of BLOCK_N): loads unmasked, scores masked.
         if PF > 0:
@@ -719,6 +745,18 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
                 _issue(ksm, vsm, msm, nxt, kw, vh, mp, t_next, kc, vc)
             async_copy.commit_group()
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
+        elif TMA > 0:
+            it = (t0 - start) // step
+            st = it % TMA
+            mbarrier.wait(bars.index(st), (it // TMA) & 1)
+            cur = _read_tma(kring, vring, mring, st, KW, gl.SliceLayout(2, VL))
+            # Every lane's reads of stage st are done before the copy that refills it (generic, then async proxy).
+            _barrier()
+            fence_async_shared()
+            tn = t0 + TMA * step
+            if tn < end:
+                _issue_tma(kdesc, vdesc, mk0, mk1, mv0, mv1, kring, vring, mring, bars, st, row4 + tn // 4,
+                           row64 + tn // 64)
         elif KEYS_AHEAD:
             cur = k_next + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
             k_next = _load_keys(kw, gl.minimum(t0 + step, T - BLOCK_N), koff, KW, D)
@@ -906,3 +944,51 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
     rr = r0 + gl.arange(0, R4, layout=HL)
     gl.store(pm_ptr + slot * HG + rr, m, mask=rr < HG)
     gl.store(pl_ptr + slot * HG + rr, l, mask=rr < HG)
+
+
+@gluon.jit
+def _issue_tma(kdesc, vdesc, mk0, mk1, mv0, mv1, kring, vring, mring, bars, st, row4, row64):
+    """Start the bulk copies of a tile into stage st of the TMA ring: key and value codes (descriptor rows row4 ..
+    row4 + 15 of 4 tokens), the four metadata arrays' 128 bytes (row row64), 4,608 bytes on the stage's mbarrier."""
+    bar = bars.index(st)
+    mbarrier.expect(bar, 4608)
+    _tma_load(kdesc, [row4, 0], bar, kring.index(st))
+    _tma_load(vdesc, [row4, 0], bar, vring.index(st))
+    _tma_load(mk0, [row64, 0], bar, mring.index(4 * st))
+    _tma_load(mk1, [row64, 0], bar, mring.index(4 * st + 1))
+    _tma_load(mv0, [row64, 0], bar, mring.index(4 * st + 2))
+    _tma_load(mv1, [row64, 0], bar, mring.index(4 * st + 3))
+
+
+@gluon.jit
+def _read_tma(kring, vring, mring, st, KW: gl.constexpr, VS: gl.constexpr):
+    """_load_tile's registers (head_dim 128, two groups a token, value codes in tiles) from stage st of the TMA ring.
+    Each load's layout gives a lane exactly the words _load_tile's global loads give it (keys: token 8g + j at
+    descriptor row 2g + j div 4, words 8·(j mod 4) + 2t + e; values: tile row 8B + a, words 8t .. 8t + 7; metadata:
+    words 4g .. 4g + 3), so the conversions after them are register-only. The 128-byte swizzle spreads the key
+    reads' 8 rows of a lane over the banks (two-way conflicts at most; rows in memory order without it: eight)."""
+    KLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0]],
+                                                   lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
+                                                   warp_bases=[], block_bases=[], shape=[16, 32])
+    x = kring.index(st).load(KLL)
+    x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 4, 2]), [1, 2, 0, 3, 4]), [64, 4, 2])
+    kw0, kw1 = gl.split(x)
+    kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
+    kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
+    VLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+                                                   lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                                   warp_bases=[], block_bases=[], shape=[16, 32])
+    VW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1])
+    y = vring.index(st).load(VLL)
+    y0, y1 = gl.split(gl.permute(gl.reshape(y, [2, 8, 4, 8]), [2, 1, 3, 0]))
+    vw0 = _tile_words(gl.convert_layout(y0, VW, assert_trivial=True), VS)
+    vw1 = _tile_words(gl.convert_layout(y1, VW, assert_trivial=True), VS)
+    MLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]],
+                                                   lane_bases=[[0, 0], [0, 0], [0, 4], [0, 8], [0, 16]],
+                                                   warp_bases=[], block_bases=[], shape=[1, 32])
+    MW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
+    m0 = gl.convert_layout(gl.reshape(mring.index(4 * st).load(MLL), [8, 4]), MW, assert_trivial=True)
+    m1 = gl.convert_layout(gl.reshape(mring.index(4 * st + 1).load(MLL), [8, 4]), MW, assert_trivial=True)
+    m2 = gl.convert_layout(gl.reshape(mring.index(4 * st + 2).load(MLL), [8, 4]), MW, assert_trivial=True)
+    m3 = gl.convert_layout(gl.reshape(mring.index(4 * st + 3).load(MLL), [8, 4]), MW, assert_trivial=True)
+    return kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m0, m1, m2, m3

@@ -12,10 +12,18 @@ import torch
 
 def launch_key(args: tuple, kwargs: dict) -> tuple:
     """What a compiled kernel depends on: the constexprs and options (kwargs), each tensor's dtype and 16-byte
-    alignment (what triton specializes a pointer on), and every other argument's value: finer than triton's
-    own specialization of integers (equality to 1, divisibility by 16, width), so never coarser."""
-    return tuple(kwargs.items()), tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                                        else (type(a), a) for a in args)
+    alignment (what triton specializes a pointer on), each TMA descriptor's type (dtype, block shape, shared
+    layout; not its tensor, which the launch encodes), and every other argument's value: finer than triton's own
+    specialization of integers (equality to 1, divisibility by 16, width), so never coarser."""
+    return tuple(kwargs.items()), tuple(_arg_key(a) for a in args)
+
+
+def _arg_key(a) -> tuple:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if hasattr(a, "block_shape") and hasattr(a, "layout"):
+        return type(a), a.base.dtype, tuple(a.block_shape), repr(a.layout)
+    return type(a), a
 
 
 class CachedKernel:

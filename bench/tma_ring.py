@@ -1,0 +1,88 @@
+"""The Gluon programs reading their tiles through the TMA ring (decode.tma_stages) against loads into registers, on
+Qwen3-8B's attention shape (32/8 heads, d 128, groups of 64, keys per token, value codes in tiles): CUDA-graph
+replays (kernel.graph_bench: L2 cleared, ~4.8 µs of its own), best of 3 interleaved rounds, every sequence at the
+full context or a ragged batch (lengths drawn from [context/2, context]); outputs compared bit for bit.
+
+    PYTHONPATH=. python3 bench/tma_ring.py > bench/results/tma_ring.md
+"""
+import sys
+
+import torch
+
+sys.path.insert(0, "bench")
+from kernel import graph_bench  # noqa: E402
+import shapes  # noqa: E402
+
+from oscar_core.triton import decode  # noqa: E402
+
+POINTS = [(100_000, 32, False), (100_000, 32, True), (100_000, 24, False), (100_000, 16, False), (100_000, 8, False),
+          (32_768, 32, False), (32_768, 16, False), (32_768, 8, False), (100_000, 1, False)]
+RULE = decode.tma_stages
+
+
+def main():
+    gen = torch.Generator("cuda").manual_seed(0)
+    print("# INT2 decode through the TMA ring against loads into registers (bench/tma_ring.py)\n")
+    print(f"- {torch.cuda.get_device_name()}, torch {torch.__version__}; Qwen3-8B's shape, keys per token, groups of "
+          "64, value codes in tiles; graph replays, best of 3 interleaved (µs)")
+    print("- rule: decode.tma_stages for this call (0: loads into registers)\n")
+    print("| context x batch | lengths | loads | TMA 2 stages | TMA / loads | rule | outputs |")
+    print("|---|---|---|---|---|---|---|")
+    for context, batch, ragged in POINTS:
+        layer = shapes.layer_of(8, 128, gen)
+        cache = shapes.random_store(batch, 8, 128, context, 64, 64, "token", gen)
+        if ragged:
+            cache.lengths.copy_(torch.randint(context // 2, context + 1, (batch,), generator=gen, device="cuda"))
+        q = torch.randn(batch, 32, 128, generator=gen, device="cuda").bfloat16()
+        args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5)
+        best, outs = {}, {}
+        for _ in range(3):
+            for stages in (0, 2):
+                decode.tma_stages = lambda major, consts, pairs, stages=stages: stages
+                decode._PLANS.clear()
+                fn = lambda: decode.decode_attention(*args, max_length=context, graph=False)  # noqa: E731
+                outs[stages] = fn()
+                best[stages] = min(best.get(stages, 9), graph_bench(fn))
+        decode.tma_stages = RULE
+        decode._PLANS.clear()
+        rule = decode.launch_plan(q, cache, max_length=context).gluon_consts.get("TMA", 0)
+        same = "equal" if torch.equal(outs[0], outs[2]) else "differ"
+        print(f"| {context} x {batch} | {'ragged' if ragged else 'full'} | {best[0] * 1e3:.1f} | {best[2] * 1e3:.1f} | "
+              f"{best[2] / best[0]:.3f} | {rule} | {same} |", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    flat_rows(gen)
+
+
+def flat_rows(gen):
+    """Where whole splits leave the wave idle, flat rows (decode.flat_splits), which the ring does not serve, against
+    whole splits with loads and through the ring (before the ring, the rule took flat rows at all three)."""
+    print("\n## Flat rows against whole splits through the ring\n")
+    print("| context x batch | flat rows, loads | whole splits, loads | whole splits, ring | outputs (ring vs "
+          "whole loads) |")
+    print("|---|---|---|---|---|")
+    for context, batch in ((100_000, 30), (32_768, 30), (100_000, 55)):
+        layer = shapes.layer_of(8, 128, gen)
+        cache = shapes.random_store(batch, 8, 128, context, 64, 64, "token", gen)
+        q = torch.randn(batch, 32, 128, generator=gen, device="cuda").bfloat16()
+        args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5)
+        arms = {"flat": (None, 0), "whole": (False, 0), "ring": (False, 2)}
+        best, outs = {}, {}
+        for _ in range(3):
+            for name, (flat, stages) in arms.items():
+                decode.tma_stages = lambda major, consts, pairs, stages=stages: stages
+                decode._PLANS.clear()
+                fn = lambda: decode.decode_attention(*args, max_length=context, graph=False, flat=flat)  # noqa: E731
+                outs[name] = fn()
+                best[name] = min(best.get(name, 9), graph_bench(fn))
+        decode.tma_stages = RULE
+        decode._PLANS.clear()
+        same = "equal" if torch.equal(outs["whole"], outs["ring"]) else "differ"
+        print(f"| {context} x {batch} | {best['flat'] * 1e3:.1f} | {best['whole'] * 1e3:.1f} | "
+              f"{best['ring'] * 1e3:.1f} | {same} |", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
