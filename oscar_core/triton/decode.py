@@ -850,8 +850,9 @@ def tma_stages(major: int, constexprs: dict, pairs: int) -> int:
     bench/results/tma_ring.md): 100K x 32 755.3 / 733.4, ragged 674.3 / 637.7; 100K x 24 562.2 / 539.7; 100K x 16
     391.3 / 377.2; 32K x 32 282.5 / 271.0; 32K x 16 153.3 / 149.3. Below 128 pairs it ties or loses: 100K x 8
     203.3 / 201.5, 32K x 8 85.2 / 90.0, 100K x 1 47.3 / 49.1. Three and four stages hold more shared memory, so
-    fewer programs fit a multiprocessor, and lose (100K x 32 ragged: 671.3 and 703.0; kernel_notes.md v31). The
-    outputs are those of the loads, bit for bit."""
+    fewer programs fit a multiprocessor, and lose (100K x 32 ragged: 671.3 and 703.0; kernel_notes.md v31). Other
+    4-head classes gain alike: MHA (32/32) 100K x 8 745.7 / 709.8, 32K x 8 268.0 / 262.1, 100K x 4 380.0 / 372.3;
+    GQA 2 (16/8) 100K x 16 384.9 / 372.0. The outputs are those of the loads, bit for bit."""
     c = constexprs
     fits = (c["D"] == 128 and c["R4"] == 4 and c["TB"] == 1 and c["NGK"] == c["NGV"] == 2 and c["VT"]
             and not c["SLIDE"] and c["STAGES"] == 0 and not c.get("FLAT"))
