@@ -36,6 +36,22 @@ def test_the_key_tells_apart_what_triton_specializes_on():
     assert key(x, BLOCK=8) != key(x, BLOCK=16) and key(x, BLOCK=8, num_warps=4) != key(x, BLOCK=8)
 
 
+def test_the_key_takes_a_tma_descriptor_by_its_type():
+    """A TMA descriptor (unhashable, rebuilt every call) keys by dtype, block shape and layout, not by its tensor."""
+    gluon = pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    swizzled, plain = gluon.language.NVMMASharedLayout(128, 32, 2), gluon.language.NVMMASharedLayout(0, 32, 2)
+
+    def key(rows, block, layout):
+        desc = TensorDescriptor.from_tensor(torch.zeros(rows, 32, dtype=torch.int32), block, layout)
+        return launch_key((desc, None), {"TMA": 2})
+
+    hash(key(64, [16, 32], swizzled))
+    assert key(64, [16, 32], swizzled) == key(128, [16, 32], swizzled)
+    assert key(64, [16, 32], swizzled) != key(64, [1, 32], plain)
+    assert key(64, [16, 32], swizzled) != key(64, [16, 32], plain)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path")
 def test_interpreted_kernels_run_through_the_jit_every_call():
     launch = CachedKernel(_scale)
