@@ -20,6 +20,22 @@ POINTS = [(100_000, 32, False), (100_000, 32, True), (100_000, 24, False), (100_
 RULE = decode.tma_stages
 
 
+def race(args, context, arms):
+    """Best graph time (ms) and output of each arm, name -> (decode_attention's flat, the ring's stages), 3 rounds
+    interleaved; the rule restored after."""
+    best, outs = {}, {}
+    for _ in range(3):
+        for name, (flat, stages) in arms.items():
+            decode.tma_stages = lambda major, consts, pairs, stages=stages: stages
+            decode._PLANS.clear()
+            fn = lambda: decode.decode_attention(*args, max_length=context, graph=False, flat=flat)  # noqa: E731
+            outs[name] = fn()
+            best[name] = min(best.get(name, 9), graph_bench(fn))
+    decode.tma_stages = RULE
+    decode._PLANS.clear()
+    return best, outs
+
+
 def main():
     gen = torch.Generator("cuda").manual_seed(0)
     print("# INT2 decode through the TMA ring against loads into registers (bench/tma_ring.py)\n")
@@ -35,16 +51,7 @@ def main():
             cache.lengths.copy_(torch.randint(context // 2, context + 1, (batch,), generator=gen, device="cuda"))
         q = torch.randn(batch, 32, 128, generator=gen, device="cuda").bfloat16()
         args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5)
-        best, outs = {}, {}
-        for _ in range(3):
-            for stages in (0, 2):
-                decode.tma_stages = lambda major, consts, pairs, stages=stages: stages
-                decode._PLANS.clear()
-                fn = lambda: decode.decode_attention(*args, max_length=context, graph=False)  # noqa: E731
-                outs[stages] = fn()
-                best[stages] = min(best.get(stages, 9), graph_bench(fn))
-        decode.tma_stages = RULE
-        decode._PLANS.clear()
+        best, outs = race(args, context, {0: (None, 0), 2: (None, 2)})
         rule = decode.launch_plan(q, cache, max_length=context).gluon_consts.get("TMA", 0)
         same = "equal" if torch.equal(outs[0], outs[2]) else "differ"
         print(f"| {context} x {batch} | {'ragged' if ragged else 'full'} | {best[0] * 1e3:.1f} | {best[2] * 1e3:.1f} | "
@@ -66,17 +73,7 @@ def flat_rows(gen):
         cache = shapes.random_store(batch, 8, 128, context, 64, 64, "token", gen)
         q = torch.randn(batch, 32, 128, generator=gen, device="cuda").bfloat16()
         args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5)
-        arms = {"flat": (None, 0), "whole": (False, 0), "ring": (False, 2)}
-        best, outs = {}, {}
-        for _ in range(3):
-            for name, (flat, stages) in arms.items():
-                decode.tma_stages = lambda major, consts, pairs, stages=stages: stages
-                decode._PLANS.clear()
-                fn = lambda: decode.decode_attention(*args, max_length=context, graph=False, flat=flat)  # noqa: E731
-                outs[name] = fn()
-                best[name] = min(best.get(name, 9), graph_bench(fn))
-        decode.tma_stages = RULE
-        decode._PLANS.clear()
+        best, outs = race(args, context, {"flat": (None, 0), "whole": (False, 0), "ring": (False, 2)})
         same = "equal" if torch.equal(outs["whole"], outs["ring"]) else "differ"
         print(f"| {context} x {batch} | {best['flat'] * 1e3:.1f} | {best['whole'] * 1e3:.1f} | "
               f"{best['ring'] * 1e3:.1f} | {same} |", flush=True)

@@ -825,9 +825,9 @@ def flat_splits(pairs: int, splits_a_wave: int, ring: bool = False) -> bool:
     whole splits, ⌊S / pairs⌋ a pair of the S a wave holds, would leave more than 8% of the wave idle; 12% where
     whole splits would read through the TMA ring (ring: tma_stages), which flat rows do not and which gains 3-5%.
     Flat rows cost about 4% where nothing idles (chunks, not strided tiles, and the loop over pairs), so they pay
-    only where more does. H100, Qwen3-8B's shape, graph, best of 3 interleaved, whole splits / flat (µs, kernel_notes.md v27): 100K x
-    30 (1,920 of 2,112 busy) 757.9 / 741.2, ragged 644.1 / 630.8; 100K x 28 (2,016) 692.6 / 694.3; 100K x 32 (2,048)
-    774.8 / 789.7; 100K x 24 (all) 574.9 / 597.0. Where no strided tiles are lost more (100K x 30: GQA 8 874.9 /
+    only where more does. H100, Qwen3-8B's shape, graph, best of 3 interleaved, whole splits / flat (µs,
+    kernel_notes.md v27): 100K x 30 (1,920 of 2,112 busy) 757.9 / 741.2, ragged 644.1 / 630.8; 100K x 28 (2,016)
+    692.6 / 694.3; 100K x 32 (2,048) 774.8 / 789.7; 100K x 24 (all) 574.9 / 597.0. Where no strided tiles are lost more (100K x 30: GQA 8 874.9 /
     824.3, GQA 5 866.7 / 798.2, Qwen3-8B with keys per channel 853.7 / 795.6, head_dim 64 412.8 / 391.4). Against
     whole splits through the ring, flat / ring (µs, bench/results/tma_ring.md): 100K x 30 (9.1% idle) 740.4 / 731.3,
     32K x 30 275.9 / 267.3; 100K x 55 (16.7% idle) 1312.2 / 1413.1."""
@@ -854,8 +854,7 @@ def tma_stages(major: int, constexprs: dict, pairs: int) -> int:
     4-head classes gain alike: MHA (32/32) 100K x 8 745.7 / 709.8, 32K x 8 268.0 / 262.1, 100K x 4 380.0 / 372.3;
     GQA 2 (16/8) 100K x 16 384.9 / 372.0. The outputs are those of the loads, bit for bit."""
     c = constexprs
-    fits = (c["D"] == 128 and c["R4"] == 4 and c["TB"] == 1 and c["NGK"] == c["NGV"] == 2 and c["VT"]
-            and not c["SLIDE"] and c["STAGES"] == 0 and not c.get("FLAT"))
+    fits = c["D"] == 128 and c["R4"] == 4 and c["TB"] == 1 and c["NGK"] == c["NGV"] == 2 and c["VT"] and not c["SLIDE"]
     return 2 if major >= 9 and fits and pairs >= 128 else 0
 
 
@@ -967,23 +966,32 @@ def _gluon_args(qt, cache, po, pm, pl, log2_scale, n_int2, min_chunk, ns, tma: b
             *(tma_descriptors(cache) if tma else (None,) * 6))
 
 
+_TMA_DESCRIPTORS: dict = {}
+
+
 def tma_descriptors(cache: Int2KVCache) -> tuple:
     """The TMA descriptors of a store's INT2 arrays, for decode_gluon's TMA ring: key and value codes as rows of 4
     tokens (32 int32 words, a tile 16 rows, 128-byte swizzle), and the key scales, key zeros, value scales and
     value zeros as rows of 64 tokens' bytes (a tile 1 row). Head_dim 128, two groups a token, value codes in tiles
-    (tma_stages)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    (tma_stages). A descriptor holds only its array's address, shape and strides, so they are built once per
+    set of arrays (about 60 µs of host time) and kept under those."""
+    arrays = (cache.key_codes, cache.value_codes, cache.key_scale, cache.key_zero, cache.value_scale,
+              cache.value_zero)
+    key = tuple((a.data_ptr(), a.numel()) for a in arrays)
+    if key not in _TMA_DESCRIPTORS:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    def rows(x):   # a view of the store's own bytes (view, not reshape: never a copy)
-        return x.view(-1).view(torch.int32).view(-1, 32)
+        def rows(x):   # a view of the store's own bytes (view, not reshape: never a copy)
+            return x.view(-1).view(torch.int32).view(-1, 32)
 
-    codes = gl.NVMMASharedLayout(128, 32, 2)
-    meta = gl.NVMMASharedLayout(0, 32, 2)
-    return (TensorDescriptor.from_tensor(rows(cache.key_codes), [16, 32], codes),
-            TensorDescriptor.from_tensor(rows(cache.value_codes), [16, 32], codes),
-            *(TensorDescriptor.from_tensor(rows(x), [1, 32], meta)
-              for x in (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero)))
+        layouts = (gl.NVMMASharedLayout(128, 32, 2),) * 2 + (gl.NVMMASharedLayout(0, 32, 2),) * 4
+        blocks = ([16, 32],) * 2 + ([1, 32],) * 4
+        if len(_TMA_DESCRIPTORS) >= 64:
+            _TMA_DESCRIPTORS.clear()
+        _TMA_DESCRIPTORS[key] = tuple(TensorDescriptor.from_tensor(rows(a), b, lay)
+                                      for a, b, lay in zip(arrays, blocks, layouts))
+    return _TMA_DESCRIPTORS[key]
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
