@@ -553,6 +553,22 @@ def test_tma_ring_only_where_measured(heads, kv_heads, d, group, axis, layout, m
     assert decode.tma_stages(major, decode.gluon_constexprs(cache, heads, d, 6), pairs) == expect
 
 
+def test_tma_descriptors_are_kept_as_long_as_their_store():
+    """decode.tma_descriptors builds a store's six descriptors once, over views of its own bytes, and lets them go
+    with the store (a store that grows or is freed must not stay alive through them)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import gc
+    cache = kvstore.empty_cache(2, 8, 128, 1024, 64, 64)
+    descs = decode.tma_descriptors(cache)
+    assert decode.tma_descriptors(cache) is descs
+    assert [d.base.data_ptr() for d in descs] == [a.data_ptr() for a in (
+        cache.key_codes, cache.value_codes, cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero)]
+    held = id(cache.key_codes)
+    del cache, descs
+    gc.collect()
+    assert held not in decode._TMA_DESCRIPTORS
+
+
 @pytest.mark.parametrize("pairs,max_int2,d,slots,ht,expect", [
     (8, 99_680, 128, 16, 1, 15),      # 100K x 1: a slot for the window programs
     (8, 32_448, 128, 16, 1, 12),      # 32K x 1: a whole wave would read 128 rows a program

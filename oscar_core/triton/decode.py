@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import weakref
 
 import torch
 import triton
@@ -966,19 +967,21 @@ def _gluon_args(qt, cache, po, pm, pl, log2_scale, n_int2, min_chunk, ns, tma: b
             *(tma_descriptors(cache) if tma else (None,) * 6))
 
 
-_TMA_DESCRIPTORS: dict = {}
+_TMA_DESCRIPTORS: dict = {}   # id(key codes) -> (their weak reference, the arrays' addresses, the descriptors)
 
 
 def tma_descriptors(cache: Int2KVCache) -> tuple:
     """The TMA descriptors of a store's INT2 arrays, for decode_gluon's TMA ring: key and value codes as rows of 4
     tokens (32 int32 words, a tile 16 rows, 128-byte swizzle), and the key scales, key zeros, value scales and
     value zeros as rows of 64 tokens' bytes (a tile 1 row). Head_dim 128, two groups a token, value codes in tiles
-    (tma_stages). A descriptor holds only its array's address, shape and strides, so they are built once per
-    set of arrays (about 60 µs of host time) and kept under those."""
+    (tma_stages). A descriptor holds only its array's address, shape and strides, so they are built once (about 60
+    µs of host time) and kept beside the store's key codes, for as long as those live (a weak key: a store that
+    grows or is freed takes its descriptors with it)."""
     arrays = (cache.key_codes, cache.value_codes, cache.key_scale, cache.key_zero, cache.value_scale,
               cache.value_zero)
     key = tuple((a.data_ptr(), a.numel()) for a in arrays)
-    if key not in _TMA_DESCRIPTORS:
+    hit = _TMA_DESCRIPTORS.get(id(cache.key_codes))
+    if hit is None or hit[0]() is not cache.key_codes or hit[1] != key:
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -987,11 +990,11 @@ def tma_descriptors(cache: Int2KVCache) -> tuple:
 
         layouts = (gl.NVMMASharedLayout(128, 32, 2),) * 2 + (gl.NVMMASharedLayout(0, 32, 2),) * 4
         blocks = ([16, 32],) * 2 + ([1, 32],) * 4
-        if len(_TMA_DESCRIPTORS) >= 64:
-            _TMA_DESCRIPTORS.clear()
-        _TMA_DESCRIPTORS[key] = tuple(TensorDescriptor.from_tensor(rows(a), b, lay)
-                                      for a, b, lay in zip(arrays, blocks, layouts))
-    return _TMA_DESCRIPTORS[key]
+        hit = (weakref.ref(cache.key_codes), key,
+               tuple(TensorDescriptor.from_tensor(rows(a), b, lay) for a, b, lay in zip(arrays, blocks, layouts)))
+        _TMA_DESCRIPTORS[id(cache.key_codes)] = hit
+        weakref.finalize(cache.key_codes, _TMA_DESCRIPTORS.pop, id(cache.key_codes), None)
+    return hit[2]
 
 
 def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Tensor,
