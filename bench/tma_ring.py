@@ -20,6 +20,17 @@ POINTS = [(100_000, 32, False), (100_000, 32, True), (100_000, 24, False), (100_
 RULE = decode.tma_stages
 
 
+def call_args(heads, kv_heads, context, batch, gen, ragged=False):
+    """decode_attention's leading arguments over a random store at head_dim 128 (shapes.random_store), every sequence
+    at the full context or, ragged, at lengths drawn from [context/2, context]."""
+    layer = shapes.layer_of(kv_heads, 128, gen)
+    cache = shapes.random_store(batch, kv_heads, 128, context, 64, 64, "token", gen)
+    if ragged:
+        cache.lengths.copy_(torch.randint(context // 2, context + 1, (batch,), generator=gen, device="cuda"))
+    q = torch.randn(batch, heads, 128, generator=gen, device="cuda").bfloat16()
+    return q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5
+
+
 def race(args, context, arms):
     """Best graph time (ms) and output of each arm, name -> (decode_attention's flat, the ring's stages), 3 rounds
     interleaved; the rule restored after."""
@@ -45,18 +56,14 @@ def main():
     print("| context x batch | lengths | loads | TMA 2 stages | TMA / loads | rule | outputs |")
     print("|---|---|---|---|---|---|---|")
     for context, batch, ragged in POINTS:
-        layer = shapes.layer_of(8, 128, gen)
-        cache = shapes.random_store(batch, 8, 128, context, 64, 64, "token", gen)
-        if ragged:
-            cache.lengths.copy_(torch.randint(context // 2, context + 1, (batch,), generator=gen, device="cuda"))
-        q = torch.randn(batch, 32, 128, generator=gen, device="cuda").bfloat16()
-        args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5)
+        args = call_args(32, 8, context, batch, gen, ragged)
+        q, cache = args[:2]
         best, outs = race(args, context, {0: (None, 0), 2: (None, 2)})
         rule = decode.launch_plan(q, cache, max_length=context).gluon_consts.get("TMA", 0)
         same = "equal" if torch.equal(outs[0], outs[2]) else "differ"
         print(f"| {context} x {batch} | {'ragged' if ragged else 'full'} | {best[0] * 1e3:.1f} | {best[2] * 1e3:.1f} | "
               f"{best[2] / best[0]:.3f} | {rule} | {same} |", flush=True)
-        del cache
+        del args, cache, outs
         torch.cuda.empty_cache()
     flat_rows(gen)
 
@@ -69,15 +76,13 @@ def flat_rows(gen):
           "whole loads) |")
     print("|---|---|---|---|---|")
     for context, batch in ((100_000, 30), (32_768, 30), (100_000, 55)):
-        layer = shapes.layer_of(8, 128, gen)
-        cache = shapes.random_store(batch, 8, 128, context, 64, 64, "token", gen)
-        q = torch.randn(batch, 32, 128, generator=gen, device="cuda").bfloat16()
-        args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5)
+        args = call_args(32, 8, context, batch, gen)
+        cache = args[1]
         best, outs = race(args, context, {"flat": (None, 0), "whole": (False, 0), "ring": (False, 2)})
         same = "equal" if torch.equal(outs["whole"], outs["ring"]) else "differ"
         print(f"| {context} x {batch} | {best['flat'] * 1e3:.1f} | {best['whole'] * 1e3:.1f} | "
               f"{best['ring'] * 1e3:.1f} | {same} |", flush=True)
-        del cache
+        del args, cache, outs
         torch.cuda.empty_cache()
 
 

@@ -10,8 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, "bench")
-import shapes  # noqa: E402
-from tma_ring import race  # noqa: E402
+from tma_ring import call_args, race  # noqa: E402
 
 from oscar_core.triton import decode  # noqa: E402
 
@@ -20,15 +19,13 @@ def main():
     gen = torch.Generator("cuda").manual_seed(0)
     for spec in sys.argv[1:]:
         heads, kv, context, batch = (int(x) for x in spec.split(","))
-        layer = shapes.layer_of(kv, 128, gen)
-        cache = shapes.random_store(batch, kv, 128, context, 64, 64, "token", gen)
-        q = torch.randn(batch, heads, 128, generator=gen, device="cuda").bfloat16()
-        args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5)
+        args = call_args(heads, kv, context, batch, gen)
+        q, cache = args[:2]
         best, outs = race(args, context, {0: (None, 0), 2: (None, 2)})
         rule = decode.launch_plan(q, cache, max_length=context).gluon_consts
         print(f"{spec}: loads {best[0] * 1e3:.1f}  ring {best[2] * 1e3:.1f} µs  ({best[2] / best[0]:.3f}; rule TMA "
               f"{rule['TMA']}, flat {rule['FLAT']}; equal {torch.equal(outs[0], outs[2])})", flush=True)
-        del cache
+        del args, cache, outs
         torch.cuda.empty_cache()
 
 
