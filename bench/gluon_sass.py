@@ -35,9 +35,8 @@ from oscar_core.triton import decode, decode_gluon  # noqa: E402
 TYPES = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8", vz_ptr="*u8",
              len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
              # decode.tma_descriptors' (read only where TMA > 0)
-             kdesc=f"tensordesc<i32[16, 32],{gl.NVMMASharedLayout(128, 32, 2)!r}>",
-             vdesc=f"tensordesc<i32[16, 32],{gl.NVMMASharedLayout(128, 32, 2)!r}>",
-             **{a: f"tensordesc<i32[1, 32],{gl.NVMMASharedLayout(0, 32, 2)!r}>" for a in ("mk0", "mk1", "mv0", "mv1")})
+             cdesc=f"tensordesc<i32[2, 16, 32],{gl.NVMMASharedLayout(128, 32, 3)!r}>",
+             mdesc=f"tensordesc<i32[4, 1, 32],{gl.NVMMASharedLayout(0, 32, 3)!r}>")
 SMEM_PER_SM = 228 * 1024    # H100
 
 

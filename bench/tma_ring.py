@@ -37,7 +37,7 @@ def race(args, context, arms):
     best, outs = {}, {}
     for _ in range(3):
         for name, (flat, stages) in arms.items():
-            decode.tma_stages = lambda major, consts, pairs, stages=stages: stages
+            decode.tma_stages = lambda major, consts, pairs, rows, stages=stages: stages
             decode._PLANS.clear()
             fn = lambda: decode.decode_attention(*args, max_length=context, graph=False, flat=flat)  # noqa: E731
             outs[name] = fn()

@@ -415,8 +415,8 @@ class OscarLayer(DynamicLayer):
 
     def nbytes(self) -> int:
         if self.store is not None:
-            return sum(t.untyped_storage().nbytes() for t in vars(self.store).values()
-                       if isinstance(t, torch.Tensor) and t is not self.store.lengths)
+            return kvstore.allocation_nbytes(t for t in vars(self.store).values()
+                                             if isinstance(t, torch.Tensor) and t is not self.store.lengths)
         if self.key_store is None:
             return 0
         return sum(t.untyped_storage().nbytes() for s in (self.key_store, self.value_store) for t in s.tensors())

@@ -218,23 +218,51 @@ def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_gro
     def bf16(n):
         return torch.zeros(batch, kv_heads, n, head_dim, dtype=torch.bfloat16, device=device)
 
-    def meta(g, dtype):
-        return torch.zeros(batch, kv_heads, rows, head_dim // g, dtype=dtype, device=device)
+    def meta(g, dtype, n=None):   # n: n such arrays, one after another in one allocation
+        shape = (batch, kv_heads, rows, head_dim // g)
+        return torch.zeros(*shape, dtype=dtype, device=device) if n is None else \
+            torch.zeros(n, *shape, dtype=dtype, device=device).unbind(0)
 
+    # Arrays of one shape share one allocation, one after another: the key codes, then the value codes; with keys
+    # per token in groups as the values', the key scales, key zeros, value scales, value zeros. A tile's bytes of
+    # each group are then one strided box, which the TMA-fed decode copies at once (triton.decode.tma_descriptors).
+    key_codes, value_codes = meta(4, torch.uint8, 2)
     if key_axis == "channel":
         key_scale = torch.zeros(batch, kv_heads, rows // block, head_dim, dtype=torch.uint8, device=device)
         key_zero = torch.zeros(batch, kv_heads, rows // block, head_dim, dtype=torch.int8, device=device)
+        value_scale, value_zero = meta(value_group_size, torch.uint8), meta(value_group_size, torch.int8)
+    elif key_group_size == value_group_size:
+        key_scale, key_zero, value_scale, value_zero = meta(key_group_size, torch.uint8, 4)
+        key_zero, value_zero = key_zero.view(torch.int8), value_zero.view(torch.int8)
     else:
         key_scale, key_zero = meta(key_group_size, torch.uint8), meta(key_group_size, torch.int8)
+        value_scale, value_zero = meta(value_group_size, torch.uint8), meta(value_group_size, torch.int8)
     return Int2KVCache(
         key_sink=bf16(sink_tokens), value_sink=bf16(sink_tokens),
         key_recent=bf16(ring), value_recent=bf16(ring),
-        key_codes=meta(4, torch.uint8), key_scale=key_scale, key_zero=key_zero,
-        value_codes=meta(4, torch.uint8), value_scale=meta(value_group_size, torch.uint8),
-        value_zero=meta(value_group_size, torch.int8),
+        key_codes=key_codes, key_scale=key_scale, key_zero=key_zero,
+        value_codes=value_codes, value_scale=value_scale, value_zero=value_zero,
         lengths=torch.zeros(batch, dtype=torch.int32, device=device),
         key_group_size=key_group_size, value_group_size=value_group_size, key_axis=key_axis,
         value_layout=value_layout)
+
+
+def allocation_nbytes(tensors) -> int:
+    """Bytes of the allocations behind tensors, each counted once (a store's arrays share them: empty_cache)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def to_device(cache: Int2KVCache, device: str | torch.device) -> Int2KVCache:
+    """A copy of the store on device, its arrays grouped in allocations as empty_cache groups them (the key and value
+    codes; the four scale and zero arrays where they are of one shape)."""
+    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(cache).items()}
+    fields["graphs"] = {}
+    for names in (("key_codes", "value_codes"), ("key_scale", "key_zero", "value_scale", "value_zero")):
+        arrays = [getattr(cache, n) for n in names]
+        if len({a.shape for a in arrays}) == 1:
+            joint = torch.stack([a.view(torch.uint8) for a in arrays]).to(device)
+            fields.update({n: j.view(a.dtype) for n, j, a in zip(names, joint.unbind(0), arrays)})
+    return Int2KVCache(**fields)
 
 
 def window_split(window: int, recent_tokens: int = RECENT_TOKENS, token_block: int = 1,

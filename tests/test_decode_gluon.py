@@ -40,9 +40,8 @@ const.setdefault("PF", decode.prefetch_tiles(const["D"], const["R4"], const["TB"
 const.setdefault("STRIDED", decode.strided_tiles(const["D"], const["R4"], const["TB"], const["VT"]))
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
-             kdesc="tensordesc<i32[16, 32],NVMMASharedLayout(128, 32, 2)>",
-             vdesc="tensordesc<i32[16, 32],NVMMASharedLayout(128, 32, 2)>",
-             **{a: "tensordesc<i32[1, 32],NVMMASharedLayout(0, 32, 2)>" for a in ("mk0", "mk1", "mv0", "mv1")})
+             cdesc="tensordesc<i32[2, 16, 32],NVMMASharedLayout(128, 32, 3)>",
+             mdesc="tensordesc<i32[4, 1, 32],NVMMASharedLayout(0, 32, 3)>")
 sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}
 attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*") or a == "T"}
 src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
@@ -124,4 +123,4 @@ def test_gluon_int2_programs_compile_for_sm90(tmp_path, shape):
     sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
     assert "HMMA.16816.F32.BF16" in sass
     assert ("LDGSTS.E.BYPASS.128" in sass) == (shape["STAGES"] > 0)  # 16-byte cp.async copies
-    assert ("UTMALDG.2D" in sass) == (tma > 0)  # bulk tensor copies
+    assert ("UTMALDG.3D" in sass) == (tma > 0)  # bulk tensor copies, two a tile

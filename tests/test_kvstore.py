@@ -218,7 +218,7 @@ def test_channel_keys_append_reads_as_simulation():
 
 def test_channel_keys_store_bytes():
     cache = kvstore.empty_cache(2, 3, 64, 500, 64, 64, 64, 256, key_axis="channel")
-    held = sum(t.untyped_storage().nbytes() for t in vars(cache).values() if isinstance(t, torch.Tensor))
+    held = kvstore.allocation_nbytes(t for t in vars(cache).values() if isinstance(t, torch.Tensor))
     assert held == kvstore.store_nbytes(2, 500, 3, 64, 64, 64, 64, 256, key_axis="channel")
     assert cache.recent_tokens == 256 and cache.ring_slots == 320 and cache.key_codes.shape[2] % 64 == 0
 

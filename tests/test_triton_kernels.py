@@ -3,6 +3,7 @@
 triton.jit reads TRITON_INTERPRET when it decorates a kernel, so the variable is set before the
 kernel modules are imported, and they are reloaded if another test module imported them first."""
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -81,8 +82,7 @@ def build(gen, lengths, heads, kv_heads, d, key_group, value_group, sink=64, rec
 
 
 def to_device(cache):
-    fields = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(cache).items()}
-    return kvstore.Int2KVCache(**fields)
+    return kvstore.to_device(cache, DEVICE)
 
 
 @pytest.mark.parametrize("d,heads,kv_heads,key_group,value_group,lengths,key_t", [
@@ -381,7 +381,7 @@ def test_tma_ring_gives_the_loads_outputs(monkeypatch):
                                              128 ** -0.5)
     outs = {}
     for stages in (0, 2):
-        monkeypatch.setattr(decode, "tma_stages", lambda major, consts, pairs, stages=stages: stages)
+        monkeypatch.setattr(decode, "tma_stages", lambda major, consts, pairs, rows, stages=stages: stages)
         monkeypatch.setattr(decode, "_PLANS", {})
         plan = decode.launch_plan(q.to(DEVICE), on_device, gluon=True)
         assert plan.gluon_consts["TMA"] == stages and not plan.gluon_consts["FLAT"]
@@ -535,38 +535,64 @@ def test_flat_splits_leave_the_tma_ring_its_batches(pairs, expect):
     assert decode.flat_splits(pairs, 2112, ring=True) == expect
 
 
-@pytest.mark.parametrize("heads,kv_heads,d,group,axis,layout,major,pairs,expect", [
-    (32, 8, 128, 64, "token", "tiles", 9, 256, 2),       # Qwen3-8B at batch 32 on a Hopper
-    (32, 8, 128, 64, "token", "tiles", 9, 128, 2),
-    (32, 8, 128, 64, "token", "tiles", 9, 64, 0),        # batch 8: no faster
-    (32, 8, 128, 64, "token", "tiles", 8, 256, 0),       # an A100 has no TMA
-    (32, 8, 128, 64, "token", "rows", 9, 256, 0),
-    (32, 8, 128, 64, "channel", "tiles", 9, 256, 0),
-    (32, 8, 128, 128, "token", "tiles", 9, 256, 0),
-    (64, 8, 128, 64, "token", "tiles", 9, 256, 0),       # 8 heads a program
-    (16, 8, 256, 64, "token", "tiles", 9, 256, 0),
+@pytest.mark.parametrize("heads,kv_heads,d,group,axis,layout,major,pairs,rows,expect", [
+    (32, 8, 128, 64, "token", "tiles", 9, 256, 12_480, 2),    # Qwen3-8B at 100K x 32 on a Hopper
+    (32, 8, 128, 64, "token", "tiles", 9, 256, 1_024, 2),     # 8K x 32
+    (32, 8, 128, 64, "token", "tiles", 9, 64, 3_072, 2),      # 100K x 8
+    (32, 8, 128, 64, "token", "tiles", 9, 64, 1_024, 0),      # 32K x 8: no faster
+    (32, 8, 128, 64, "token", "tiles", 9, 8, 448, 0),         # 100K x 1
+    (32, 8, 128, 64, "token", "tiles", 8, 256, 12_480, 0),    # an A100 has no TMA
+    (32, 8, 128, 64, "token", "rows", 9, 256, 12_480, 0),
+    (32, 8, 128, 64, "channel", "tiles", 9, 256, 12_480, 0),
+    (32, 8, 128, 128, "token", "tiles", 9, 256, 12_480, 0),
+    (64, 8, 128, 64, "token", "tiles", 9, 256, 12_480, 0),    # 8 heads a program
+    (16, 8, 256, 64, "token", "tiles", 9, 256, 12_480, 0),
 ])
-def test_tma_ring_only_where_measured(heads, kv_heads, d, group, axis, layout, major, pairs, expect):
+def test_tma_ring_only_where_measured(heads, kv_heads, d, group, axis, layout, major, pairs, rows, expect):
     """The TMA ring (decode.tma_stages) for the 4-head programs at head_dim 128 with keys per token, two groups a
-    token and the value codes in tiles, from 128 pairs, on compute capability 9 and later; nowhere else."""
+    token and the value codes in tiles, from 128 pairs or 2,048 rows a program, on compute capability 9 and later;
+    nowhere else."""
     cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis, value_layout=layout)
-    assert decode.tma_stages(major, decode.gluon_constexprs(cache, heads, d, 6), pairs) == expect
+    assert decode.tma_stages(major, decode.gluon_constexprs(cache, heads, d, 6), pairs, rows) == expect
 
 
 def test_tma_descriptors_are_kept_as_long_as_their_store():
-    """decode.tma_descriptors builds a store's six descriptors once, over views of its own bytes, and lets them go
+    """decode.tma_descriptors builds a store's two descriptors once, over views of its own bytes, and lets them go
     with the store (a store that grows or is freed must not stay alive through them)."""
     pytest.importorskip("triton.experimental.gluon")
     import gc
     cache = kvstore.empty_cache(2, 8, 128, 1024, 64, 64)
     descs = decode.tma_descriptors(cache)
     assert decode.tma_descriptors(cache) is descs
-    assert [d.base.data_ptr() for d in descs] == [a.data_ptr() for a in (
-        cache.key_codes, cache.value_codes, cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero)]
+    assert [d.base.data_ptr() for d in descs] == [cache.key_codes.data_ptr(), cache.key_scale.data_ptr()]
     held = id(cache.key_codes)
     del cache, descs
     gc.collect()
     assert held not in decode._TMA_DESCRIPTORS
+
+
+@pytest.mark.parametrize("move", [False, True])
+def test_tma_descriptors_cover_the_store_arrays(move):
+    """The codes descriptor's boxes are the key codes then the value codes, the metadata one's the key scales, key
+    zeros, value scales and value zeros, as rows of 32 words, for a store of empty_cache and its copy by
+    kvstore.to_device; a store whose arrays lie apart gets none (and so no ring)."""
+    pytest.importorskip("triton.experimental.gluon")
+    gen = torch.Generator().manual_seed(3)
+    cache = kvstore.empty_cache(2, 3, 128, 1024, 64, 64)
+    for a in (cache.key_codes, cache.value_codes, cache.key_scale, cache.key_zero.view(torch.uint8),
+              cache.value_scale, cache.value_zero.view(torch.uint8)):
+        a.copy_(torch.randint(0, 256, a.shape, generator=gen, dtype=torch.uint8))
+    if move:
+        cache = kvstore.to_device(cache, "cpu")
+    codes, meta = decode.tma_descriptors(cache)
+    assert codes.block_shape == [2, 16, 32] and meta.block_shape == [4, 1, 32]
+    for desc, arrays in ((codes, (cache.key_codes, cache.value_codes)),
+                         (meta, (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero))):
+        assert list(desc.base.shape) == [len(arrays), arrays[0].numel() // 128, 32]
+        for box, a in zip(desc.base.unbind(0), arrays):
+            assert torch.equal(box.reshape(-1), a.reshape(-1).view(torch.int32))
+    apart = dataclasses.replace(cache, value_codes=cache.value_codes.clone())
+    assert decode.tma_descriptors(apart) is None
 
 
 @pytest.mark.parametrize("pairs,max_int2,d,slots,ht,expect", [

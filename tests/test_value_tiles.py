@@ -148,8 +148,7 @@ def test_gluon_programs_read_tiles_as_rows(monkeypatch, d, heads, kv_heads, grou
     for layout in ("rows", "tiles"):
         cache = kvstore.empty_cache(3, kv_heads, d, 1600, group, group, 16, 32, key_axis=axis, value_layout=layout)
         kvstore.prefill(cache, keys, values, torch.tensor(lengths), layer)
-        stores.append(kvstore.Int2KVCache(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v)
-                                             for k, v in vars(cache).items()}))
+        stores.append(kvstore.to_device(cache, "cuda"))
     q = torch.randn(3, heads, d, generator=gen)
     ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
                                              d ** -0.5)

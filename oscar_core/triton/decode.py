@@ -842,21 +842,24 @@ def flat_programs_a_pair(splits_a_wave: int, pairs: int) -> int:
     return -(-splits_a_wave // pairs) + 1
 
 
-def tma_stages(major: int, constexprs: dict, pairs: int) -> int:
+def tma_stages(major: int, constexprs: dict, pairs: int, rows: int) -> int:
     """Stages of the TMA ring through which the Gluon programs read their tiles (decode_gluon's TMA; 0: loads into
-    registers). A program issues each tile's bulk copies (TMA: compute capability 9 and later) two tiles ahead and
-    reads its operands from shared memory, so its loop waits on no global load. Only the 4-head programs at head_dim
-    128 with keys per token, two groups a token and the value codes in tiles (not a window's store, not flat rows),
-    and from 128 (sequence, KV head) pairs. H100, Qwen3-8B's shape, graph, best of 3 interleaved, loads / ring (µs,
-    bench/results/tma_ring.md): 100K x 32 755.3 / 733.4, ragged 674.3 / 637.7; 100K x 24 562.2 / 539.7; 100K x 16
-    391.3 / 377.2; 32K x 32 282.5 / 271.0; 32K x 16 153.3 / 149.3. Below 128 pairs it ties or loses: 100K x 8
-    203.3 / 201.5, 32K x 8 85.2 / 90.0, 100K x 1 47.3 / 49.1. Three and four stages hold more shared memory, so
-    fewer programs fit a multiprocessor, and lose (100K x 32 ragged: 671.3 and 703.0; kernel_notes.md v31). Other
-    4-head classes gain alike: MHA (32/32) 100K x 8 745.7 / 709.8, 32K x 8 268.0 / 262.1, 100K x 4 380.0 / 372.3;
-    GQA 2 (16/8) 100K x 16 384.9 / 372.0. The outputs are those of the loads, bit for bit."""
+    registers). A program issues each tile's two bulk copies (TMA: compute capability 9 and later) two tiles ahead
+    and reads its operands from shared memory, so its loop waits on no global load. Only the 4-head programs at
+    head_dim 128 with keys per token, two groups a token and the value codes in tiles (not a window's store, not
+    flat rows), from 128 (sequence, KV head) pairs, or where a program reads 2,048 rows (32 tiles) or more. H100,
+    graph, best of 3 interleaved, Qwen3-8B's shape, loads / ring, µs (kernel_notes.md v32, tma_ring.md):
+    - from 128 pairs: 100K x 32 (12,480 rows a program) 760.8 / 728.8, ragged 676.9 / 612.5; 100K x 16 390.8 /
+      367.0; 32K x 32 282.2 / 262.9; 16K x 16 (1,004 rows) 95.6 / 93.4; 8K x 32 (984) 109.6 / 103.9;
+    - fewer pairs: 100K x 8 (64 pairs, 3,022 rows) 204.7 / 197.5; 64K x 8 (1,977) 143.7 / 143.6; 48K x 8 (1,526)
+      114.8 / 117.0; 32K x 8 (1,024) 85.0 / 88.4; 100K x 4 (1,535) 113.3 / 114.6; 100K x 1 (448) 47.4 / 48.6: there
+      the two-tile prologue is not hidden.
+    MHA (32/32) 100K x 8 738.9 / 689.6, 8K x 8 99.5 / 94.9; GQA 2 (16/8) 100K x 16 386.3 / 362.0. Three and four
+    stages hold more shared memory, so fewer programs fit a multiprocessor, and lose (v31). The outputs are those of
+    the loads, bit for bit."""
     c = constexprs
     fits = c["D"] == 128 and c["R4"] == 4 and c["TB"] == 1 and c["NGK"] == c["NGV"] == 2 and c["VT"] and not c["SLIDE"]
-    return 2 if major >= 9 and fits and pairs >= 128 else 0
+    return 2 if major >= 9 and fits and (pairs >= 128 or rows >= 2048) else 0
 
 
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:
@@ -964,34 +967,49 @@ def _gluon_args(qt, cache, po, pm, pl, log2_scale, n_int2, min_chunk, ns, tma: b
     return (qt, cache.key_codes.view(torch.int32), cache.key_scale, cache.key_zero.view(torch.uint8),
             cache.value_codes.view(torch.int16), cache.value_scale, cache.value_zero.view(torch.uint8),
             cache.lengths, po, pm, pl, log2_scale, cache.key_codes.shape[2], n_int2, min_chunk, ns,
-            *(tma_descriptors(cache) if tma else (None,) * 6))
+            *(tma_descriptors(cache) if tma else (None,) * 2))
 
 
-_TMA_DESCRIPTORS: dict = {}   # id(key codes) -> (their weak reference, the arrays' addresses, the descriptors)
+_TMA_DESCRIPTORS: dict = {}   # id(key codes) -> (their weak reference, the arrays' addresses, the descriptors or None)
 
 
-def tma_descriptors(cache: Int2KVCache) -> tuple:
-    """The TMA descriptors of a store's INT2 arrays, for decode_gluon's TMA ring: key and value codes as rows of 4
-    tokens (32 int32 words, a tile 16 rows, 128-byte swizzle), and the key scales, key zeros, value scales and
-    value zeros as rows of 64 tokens' bytes (a tile 1 row). Head_dim 128, two groups a token, value codes in tiles
-    (tma_stages). A descriptor holds only its array's address, shape and strides, so they are built once (about 60
-    µs of host time) and kept beside the store's key codes, for as long as those live (a weak key: a store that
-    grows or is freed takes its descriptors with it)."""
-    arrays = (cache.key_codes, cache.value_codes, cache.key_scale, cache.key_zero, cache.value_scale,
-              cache.value_zero)
-    key = tuple((a.data_ptr(), a.numel()) for a in arrays)
+def _one_after_another(arrays) -> bool:
+    """Whether contiguous arrays of one size lie back to back in one allocation, in this order."""
+    a0 = arrays[0]
+    size = a0.numel() * a0.element_size()
+    return all(a.is_contiguous() and a.numel() * a.element_size() == size and a.device == a0.device
+               and a.untyped_storage().data_ptr() == a0.untyped_storage().data_ptr()
+               and a.data_ptr() == a0.data_ptr() + i * size for i, a in enumerate(arrays))
+
+
+def tma_descriptors(cache: Int2KVCache) -> tuple | None:
+    """The TMA descriptors of a store's INT2 arrays for decode_gluon's TMA ring, or None where the store does not lay
+    them out as kvstore.empty_cache does (the value codes right after the key codes; the key scales, key zeros, value
+    scales and value zeros one after another). Two descriptors, one bulk copy each a tile, both views of the store's
+    own bytes (never a copy):
+      codes [2, B·H_kv·T/4, 32] int32 words, the key codes then the value codes as rows of 4 tokens, a tile [2, 16,
+        32] with the 128-byte swizzle;
+      metadata [4, B·H_kv·T/64, 32] words, the four arrays as rows of 64 tokens' bytes, a tile [4, 1, 32].
+    Head_dim 128, two groups a token, value codes in tiles (tma_stages). A descriptor holds only an address, shape and
+    strides, so they are built once (about 60 µs of host time) and kept beside the store's key codes for as long as
+    those live (a weak key: a store that grows or is freed takes its descriptors with it)."""
+    codes = (cache.key_codes, cache.value_codes)
+    meta = (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero)
+    key = tuple((a.data_ptr(), a.numel()) for a in codes + meta)
     hit = _TMA_DESCRIPTORS.get(id(cache.key_codes))
     if hit is None or hit[0]() is not cache.key_codes or hit[1] != key:
-        from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        descriptors = None
+        if _one_after_another(codes) and _one_after_another(meta):
+            from triton.experimental.gluon import language as gl
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        def rows(x):   # a view of the store's own bytes (view, not reshape: never a copy)
-            return x.view(-1).view(torch.int32).view(-1, 32)
+            def boxes(arrays, block, swizzle):
+                words = arrays[0].view(-1).view(torch.int32)
+                joint = words.as_strided((len(arrays), words.numel() // 32, 32), (words.numel(), 32, 1))
+                return TensorDescriptor.from_tensor(joint, block, gl.NVMMASharedLayout(swizzle, 32, 3))
 
-        layouts = (gl.NVMMASharedLayout(128, 32, 2),) * 2 + (gl.NVMMASharedLayout(0, 32, 2),) * 4
-        blocks = ([16, 32],) * 2 + ([1, 32],) * 4
-        hit = (weakref.ref(cache.key_codes), key,
-               tuple(TensorDescriptor.from_tensor(rows(a), b, lay) for a, b, lay in zip(arrays, blocks, layouts)))
+            descriptors = (boxes(codes, [2, 16, 32], 128), boxes(meta, [4, 1, 32], 0))
+        hit = (weakref.ref(cache.key_codes), key, descriptors)
         _TMA_DESCRIPTORS[id(cache.key_codes)] = hit
         weakref.finalize(cache.key_codes, _TMA_DESCRIPTORS.pop, id(cache.key_codes), None)
     return hit[2]
@@ -1254,7 +1272,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     waves = waves or cfg["waves"]
     key_t = cfg["key_t"] if key_t is None else key_t
     # At least one INT2 program per pair, so a sequence longer than max_length is still read whole.
-    _, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
+    chunk, n_int2 = plan_splits(bsz, kv_heads, max_int2, block_n, _num_sms(q.device), waves, cfg["min_chunk"])
     n_int2 = max(n_int2, 1)
     ns = nw + n_int2
     splits_a_wave = waves * _num_sms(q.device)
@@ -1262,7 +1280,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         raise ValueError("flat needs the Gluon INT2 programs without their ring")
     # The TMA ring, only where it leaves the programs a multiprocessor holds as they were (the grid is sized for them).
     ring = None
-    if gluon and (stages := tma_stages(_capability(q.device)[0], consts, pairs)):
+    if gluon and (stages := tma_stages(_capability(q.device)[0], consts, pairs, chunk)) and tma_descriptors(cache):
         ring = dict(consts, TMA=stages)
         if _gluon_programs_per_sm(cache, ring, q.device) != slots:
             ring = None

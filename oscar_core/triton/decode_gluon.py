@@ -411,7 +411,7 @@ def _store_block(optr, o, w_sum, z_sum, rho, omask, HL: gl.constexpr, cols: gl.c
 
 @gluon.jit
 def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
-                       log2_scale, T, n_int2_splits, min_chunk, NS, kdesc, vdesc, mk0, mk1, mv0, mv1,
+                       log2_scale, T, n_int2_splits, min_chunk, NS, cdesc, mdesc,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
                        NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
                        NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
@@ -448,8 +448,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     ring.
     TMA > 0 (decode.tma_stages): the tiles come through a ring of TMA stages in shared memory, each tile's bulk copies
     issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 128, NGK = NGV = 2,
-    R4 = 4, VT, not FLAT. kdesc, vdesc, mk0, mk1, mv0, mv1: the store's descriptors (decode.tma_descriptors) of the
-    key codes, value codes, key scales, key zeros, value scales and value zeros; None without the ring."""
+    R4 = 4, VT, not FLAT. cdesc, mdesc: the store's two descriptors (decode.tma_descriptors), of the key and value
+    codes together and of the four scale and zero arrays together; None without the ring."""
     r0 = (gl.program_id(0) % HT) * R4
     if FLAT:
         gl.static_assert((STAGES == 0) and not STRIDED)
@@ -467,7 +467,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T,
                      bh, r0, bh * NS + NW + k, lo * tiles // P * BLOCK_N, end, BLOCK_N, hole_lo, hole_hi, HKV, HG,
                      R4, BLOCK_N, STAGES, NGK, NGV, TB, D, MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF,
-                     kdesc, vdesc, mk0, mk1, mv0, mv1, TMA)
+                     cdesc, mdesc, TMA)
             if p == ((bh + 1) * P - 1) // Q:
                 EL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
                 rr = r0 + gl.arange(0, R4, layout=EL)
@@ -492,7 +492,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             step = BLOCK_N
         _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T, bh,
                  r0, bh * NS + sid, start, end, step, hole_lo, hole_hi, HKV, HG, R4, BLOCK_N, STAGES, NGK, NGV, TB, D,
-                 MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF, kdesc, vdesc, mk0, mk1, mv0, mv1, TMA)
+                 MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF, cdesc, mdesc, TMA)
 
 
 @gluon.jit
@@ -520,7 +520,7 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
              HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              NGK: gl.constexpr, NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr, MASK_ALL: gl.constexpr,
              KEYS_AHEAD: gl.constexpr, VT: gl.constexpr, PDL: gl.constexpr, HOLE: gl.constexpr, PF: gl.constexpr,
-             kdesc, vdesc, mk0, mk1, mv0, mv1, TMA: gl.constexpr):
+             cdesc, mdesc, TMA: gl.constexpr):
     """Query heads r0 .. r0 + R4 − 1 of (sequence, KV head) bh over its INT2 rows start, start + step, ... below end
     (tiles of BLOCK_N), written as partial `slot` (_int2_split_kernel's docstring has the parameters)."""
     # Score columns, 8 (the mma's n; 16 at 16 heads, two n-tiles): one a head, padded, and with keys per token
@@ -712,12 +712,11 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
                 _issue(ksm, vsm, msm, i, kw, vh, mp, start + i * BLOCK_N, kc, vc)
             async_copy.commit_group()
     if TMA > 0:
-        # The TMA ring: stage j holds a tile's key codes, value codes (each [16, 32] words: rows of 4 tokens, 128-byte
-        # swizzle) and its four metadata arrays' 128 bytes, copied by the bulk-copy engine as one transaction of
-        # 4,608 bytes on the stage's mbarrier.
-        kring = gl.allocate_shared_memory(gl.int32, [TMA, 16, 32], kdesc.layout)
-        vring = gl.allocate_shared_memory(gl.int32, [TMA, 16, 32], vdesc.layout)
-        mring = gl.allocate_shared_memory(gl.int32, [4 * TMA, 1, 32], mk0.layout)
+        # The TMA ring: stage j holds a tile's key and value codes ([2, 16, 32] words: rows of 4 tokens, 128-byte
+        # swizzle) and its four metadata arrays' 128 bytes ([4, 1, 32]), two bulk copies of 4,608 bytes in all on
+        # the stage's mbarrier.
+        cring = gl.allocate_shared_memory(gl.int32, [TMA, 2, 16, 32], cdesc.layout)
+        mring = gl.allocate_shared_memory(gl.int32, [TMA, 4, 1, 32], mdesc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [TMA, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(TMA):
             mbarrier.init(bars.index(j), count=1)
@@ -726,8 +725,10 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
         for j in gl.static_range(TMA):
             tj = start + j * step
             if tj < end:
-                _issue_tma(kdesc, vdesc, mk0, mk1, mv0, mv1, kring, vring, mring, bars, j, row4 + tj // 4,
-                           row64 + tj // 64)
+                _issue_tma(cdesc, mdesc, cring, mring, bars, j, row4 + (tj >> 2), row64 + (tj >> 6))
+        # The stage and its mbarrier's phase, carried (a division by the step each tile cost 20 instructions).
+        st = 0
+        phase = 0
     for t0 in range(start, end, step):
         # Rows up to t0 + BLOCK_N exist (T is a multiple of BLOCK_N): loads unmasked, scores masked.
         if PF > 0:
@@ -746,17 +747,17 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             async_copy.commit_group()
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
         elif TMA > 0:
-            it = (t0 - start) // step
-            st = it % TMA
-            mbarrier.wait(bars.index(st), (it // TMA) & 1)
-            cur = _read_tma(kring, vring, mring, st, KW, gl.SliceLayout(2, VL))
+            mbarrier.wait(bars.index(st), phase)
+            cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL))
             # Every lane's reads of stage st are done before the copy that refills it (generic, then async proxy).
             _barrier()
             fence_async_shared()
             tn = t0 + TMA * step
             if tn < end:
-                _issue_tma(kdesc, vdesc, mk0, mk1, mv0, mv1, kring, vring, mring, bars, st, row4 + tn // 4,
-                           row64 + tn // 64)
+                _issue_tma(cdesc, mdesc, cring, mring, bars, st, row4 + (tn >> 2), row64 + (tn >> 6))
+            wrap = (st == TMA - 1).to(gl.int32)
+            st = (st + 1) * (1 - wrap)
+            phase = phase ^ wrap
         elif KEYS_AHEAD:
             cur = k_next + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
             k_next = _load_keys(kw, gl.minimum(t0 + step, T - BLOCK_N), koff, KW, D)
@@ -947,21 +948,17 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
 
 
 @gluon.jit
-def _issue_tma(kdesc, vdesc, mk0, mk1, mv0, mv1, kring, vring, mring, bars, st, row4, row64):
+def _issue_tma(cdesc, mdesc, cring, mring, bars, st, row4, row64):
     """Start the bulk copies of a tile into stage st of the TMA ring: key and value codes (descriptor rows row4 ..
     row4 + 15 of 4 tokens), the four metadata arrays' 128 bytes (row row64), 4,608 bytes on the stage's mbarrier."""
     bar = bars.index(st)
     mbarrier.expect(bar, 4608)
-    _tma_load(kdesc, [row4, 0], bar, kring.index(st))
-    _tma_load(vdesc, [row4, 0], bar, vring.index(st))
-    _tma_load(mk0, [row64, 0], bar, mring.index(4 * st))
-    _tma_load(mk1, [row64, 0], bar, mring.index(4 * st + 1))
-    _tma_load(mv0, [row64, 0], bar, mring.index(4 * st + 2))
-    _tma_load(mv1, [row64, 0], bar, mring.index(4 * st + 3))
+    _tma_load(cdesc, [0, row4, 0], bar, cring.index(st))
+    _tma_load(mdesc, [0, row64, 0], bar, mring.index(st))
 
 
 @gluon.jit
-def _read_tma(kring, vring, mring, st, KW: gl.constexpr, VS: gl.constexpr):
+def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr):
     """_load_tile's registers (head_dim 128, two groups a token, value codes in tiles) from stage st of the TMA ring.
     Each load's layout gives a lane exactly the words _load_tile's global loads give it (keys: token 8g + j at
     descriptor row 2g + j div 4, words 8·(j mod 4) + 2t + e; values: tile row 8B + a, words 8t .. 8t + 7; metadata:
@@ -970,7 +967,8 @@ def _read_tma(kring, vring, mring, st, KW: gl.constexpr, VS: gl.constexpr):
     KLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0]],
                                                    lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
                                                    warp_bases=[], block_bases=[], shape=[16, 32])
-    x = kring.index(st).load(KLL)
+    codes = cring.index(st).reshape([32, 32])
+    x = codes.slice(0, 16).load(KLL)
     x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 4, 2]), [1, 2, 0, 3, 4]), [64, 4, 2])
     kw0, kw1 = gl.split(x)
     kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
@@ -979,7 +977,7 @@ def _read_tma(kring, vring, mring, st, KW: gl.constexpr, VS: gl.constexpr):
                                                    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
                                                    warp_bases=[], block_bases=[], shape=[16, 32])
     VW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1])
-    y = vring.index(st).load(VLL)
+    y = codes.slice(16, 16).load(VLL)
     y0, y1 = gl.split(gl.permute(gl.reshape(y, [2, 8, 4, 8]), [2, 1, 3, 0]))
     vw0 = _tile_words(gl.convert_layout(y0, VW, assert_trivial=True), VS)
     vw1 = _tile_words(gl.convert_layout(y1, VW, assert_trivial=True), VS)
@@ -987,8 +985,9 @@ def _read_tma(kring, vring, mring, st, KW: gl.constexpr, VS: gl.constexpr):
                                                    lane_bases=[[0, 0], [0, 0], [0, 4], [0, 8], [0, 16]],
                                                    warp_bases=[], block_bases=[], shape=[1, 32])
     MW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
-    m0 = gl.convert_layout(gl.reshape(mring.index(4 * st).load(MLL), [8, 4]), MW, assert_trivial=True)
-    m1 = gl.convert_layout(gl.reshape(mring.index(4 * st + 1).load(MLL), [8, 4]), MW, assert_trivial=True)
-    m2 = gl.convert_layout(gl.reshape(mring.index(4 * st + 2).load(MLL), [8, 4]), MW, assert_trivial=True)
-    m3 = gl.convert_layout(gl.reshape(mring.index(4 * st + 3).load(MLL), [8, 4]), MW, assert_trivial=True)
+    meta = mring.index(st).reshape([4, 32])
+    m0 = gl.convert_layout(gl.reshape(meta.slice(0, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
+    m1 = gl.convert_layout(gl.reshape(meta.slice(1, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
+    m2 = gl.convert_layout(gl.reshape(meta.slice(2, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
+    m3 = gl.convert_layout(gl.reshape(meta.slice(3, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
     return kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m0, m1, m2, m3
