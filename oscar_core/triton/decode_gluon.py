@@ -949,8 +949,9 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
 
 @gluon.jit
 def _issue_tma(cdesc, mdesc, cring, mring, bars, st, row4, row64):
-    """Start the bulk copies of a tile into stage st of the TMA ring: key and value codes (descriptor rows row4 ..
-    row4 + 15 of 4 tokens), the four metadata arrays' 128 bytes (row row64), 4,608 bytes on the stage's mbarrier."""
+    """Start the two bulk copies of a tile into stage st of the TMA ring: its key and value codes (rows row4 .. row4 + 15
+    of 4 tokens of both arrays, one box) and its four metadata arrays' 128 bytes (row row64 of each, one box), 4,608
+    bytes on the stage's mbarrier."""
     bar = bars.index(st)
     mbarrier.expect(bar, 4608)
     _tma_load(cdesc, [0, row4, 0], bar, cring.index(st))
