@@ -218,10 +218,11 @@ def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_gro
     def bf16(n):
         return torch.zeros(batch, kv_heads, n, head_dim, dtype=torch.bfloat16, device=device)
 
-    def meta(g, dtype, n=None):   # n: n such arrays, one after another in one allocation
+    def meta(g, dtype, n=None):
         shape = (batch, kv_heads, rows, head_dim // g)
-        return torch.zeros(*shape, dtype=dtype, device=device) if n is None else \
-            torch.zeros(n, *shape, dtype=dtype, device=device).unbind(0)
+        if n is None:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        return torch.zeros(n, *shape, dtype=dtype, device=device).unbind(0)   # n arrays, one after another
 
     # Arrays of one shape share one allocation, one after another: the key codes, then the value codes; with keys
     # per token in groups as the values', the key scales, key zeros, value scales, value zeros. A tile's bytes of

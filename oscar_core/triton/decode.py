@@ -977,7 +977,7 @@ def _one_after_another(arrays) -> bool:
     """Whether contiguous arrays of one size lie back to back in one allocation, in this order."""
     a0 = arrays[0]
     size = a0.numel() * a0.element_size()
-    return all(a.is_contiguous() and a.numel() * a.element_size() == size and a.device == a0.device
+    return all(a.is_contiguous() and a.numel() * a.element_size() == size
                and a.untyped_storage().data_ptr() == a0.untyped_storage().data_ptr()
                and a.data_ptr() == a0.data_ptr() + i * size for i, a in enumerate(arrays))
 
