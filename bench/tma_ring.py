@@ -47,6 +47,16 @@ def race(args, context, arms):
     return best, outs
 
 
+def raced(points, arms, gen):
+    """For each point (heads, KV heads, context, batch, ragged): its call's arguments, and race's best times and
+    outputs over arms; each point's store freed before the next is built."""
+    for heads, kv_heads, context, batch, ragged in points:
+        args = call_args(heads, kv_heads, context, batch, gen, ragged)
+        yield args, *race(args, context, arms)
+        del args
+        torch.cuda.empty_cache()
+
+
 def main():
     gen = torch.Generator("cuda").manual_seed(0)
     print("# INT2 decode through the TMA ring against loads into registers (bench/tma_ring.py)\n")
@@ -55,16 +65,13 @@ def main():
     print("- rule: decode.tma_stages for this call (0: loads into registers)\n")
     print("| context x batch | lengths | loads | TMA 2 stages | TMA / loads | rule | outputs |")
     print("|---|---|---|---|---|---|---|")
-    for context, batch, ragged in POINTS:
-        args = call_args(32, 8, context, batch, gen, ragged)
-        q, cache = args[:2]
-        best, outs = race(args, context, {0: (None, 0), 2: (None, 2)})
-        rule = decode.launch_plan(q, cache, max_length=context).gluon_consts.get("TMA", 0)
+    points = [(32, 8, context, batch, ragged) for context, batch, ragged in POINTS]
+    for (context, batch, ragged), (args, best, outs) in zip(POINTS, raced(points, {0: (None, 0), 2: (None, 2)}, gen)):
+        rule = decode.launch_plan(args[0], args[1], max_length=context).gluon_consts.get("TMA", 0)
         same = "equal" if torch.equal(outs[0], outs[2]) else "differ"
         print(f"| {context} x {batch} | {'ragged' if ragged else 'full'} | {best[0] * 1e3:.1f} | {best[2] * 1e3:.1f} | "
               f"{best[2] / best[0]:.3f} | {rule} | {same} |", flush=True)
-        del args, cache, outs
-        torch.cuda.empty_cache()
+        del args, outs
     flat_rows(gen)
 
 
@@ -75,15 +82,13 @@ def flat_rows(gen):
     print("| context x batch | flat rows, loads | whole splits, loads | whole splits, ring | outputs (ring vs "
           "whole loads) |")
     print("|---|---|---|---|---|")
-    for context, batch in ((100_000, 30), (32_768, 30), (100_000, 55)):
-        args = call_args(32, 8, context, batch, gen)
-        cache = args[1]
-        best, outs = race(args, context, {"flat": (None, 0), "whole": (False, 0), "ring": (False, 2)})
+    sizes = ((100_000, 30), (32_768, 30), (100_000, 55))
+    arms = {"flat": (None, 0), "whole": (False, 0), "ring": (False, 2)}
+    for (context, batch), (args, best, outs) in zip(sizes, raced([(32, 8, c, b, False) for c, b in sizes], arms, gen)):
         same = "equal" if torch.equal(outs["whole"], outs["ring"]) else "differ"
         print(f"| {context} x {batch} | {best['flat'] * 1e3:.1f} | {best['whole'] * 1e3:.1f} | "
               f"{best['ring'] * 1e3:.1f} | {same} |", flush=True)
-        del args, cache, outs
-        torch.cuda.empty_cache()
+        del args, outs
 
 
 if __name__ == "__main__":

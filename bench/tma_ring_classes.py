@@ -1,6 +1,9 @@
-"""The TMA ring (decode.tma_stages) against loads on other 4-head classes at head_dim 128 (MHA, GQA 2): graph
-replays, best of 3 interleaved, every sequence at the full context; the outputs compared bit for bit.
+"""The TMA ring (decode.tma_stages) against loads at given points: graph replays, best of 3 interleaved, every sequence at
+the full context; the outputs compared bit for bit, with the rows a program reads and the rule's choice. Without
+arguments, the rule's edge (from 128 pairs, or 2,048 rows a program): Qwen3-8B's shape where the pairs are few or the
+programs short, and MHA and GQA 2.
 
+    PYTHONPATH=. python3 bench/tma_ring_classes.py > bench/results/tma_ring_edge.txt
     PYTHONPATH=. python3 bench/tma_ring_classes.py 32,32,100000,8 32,32,32768,8 32,32,100000,4 16,8,100000,16 \\
         > bench/results/tma_ring_classes.txt
 Args: heads,kv_heads,context,batch ...
@@ -10,23 +13,27 @@ import sys
 import torch
 
 sys.path.insert(0, "bench")
-from tma_ring import call_args, race  # noqa: E402
+from tma_ring import raced  # noqa: E402
 
 from oscar_core.triton import decode  # noqa: E402
+
+EDGE = [(32, 8, 8192, 32), (32, 8, 16384, 32), (32, 8, 16384, 16), (32, 8, 49152, 8), (32, 8, 65536, 8),
+        (32, 8, 65536, 16), (32, 8, 100_000, 4), (32, 8, 100_000, 2), (32, 8, 100_000, 8), (32, 32, 16384, 8),
+        (32, 32, 8192, 8), (16, 8, 32768, 16)]
 
 
 def main():
     gen = torch.Generator("cuda").manual_seed(0)
-    for spec in sys.argv[1:]:
-        heads, kv, context, batch = (int(x) for x in spec.split(","))
-        args = call_args(heads, kv, context, batch, gen)
-        q, cache = args[:2]
-        best, outs = race(args, context, {0: (None, 0), 2: (None, 2)})
-        rule = decode.launch_plan(q, cache, max_length=context).gluon_consts
-        print(f"{spec}: loads {best[0] * 1e3:.1f}  ring {best[2] * 1e3:.1f} µs  ({best[2] / best[0]:.3f}; rule TMA "
-              f"{rule['TMA']}, flat {rule['FLAT']}; equal {torch.equal(outs[0], outs[2])})", flush=True)
-        del args, cache, outs
-        torch.cuda.empty_cache()
+    points = [tuple(int(x) for x in spec.split(",")) for spec in sys.argv[1:]] or EDGE
+    arms = {0: (None, 0), 2: (None, 2)}
+    for (heads, kv, context, batch), (args, best, outs) in zip(points, raced([p + (False,) for p in points], arms,
+                                                                              gen)):
+        plan = decode.launch_plan(args[0], args[1], max_length=context)
+        rows = -(-args[1].key_codes.shape[2] // plan.n_int2)
+        print(f"{heads}/{kv} {context} x {batch}: loads {best[0] * 1e3:.1f}  ring {best[2] * 1e3:.1f} µs  "
+              f"({best[2] / best[0]:.3f}); rows a program ~{rows}; rule TMA {plan.gluon_consts['TMA']}, flat "
+              f"{plan.gluon_consts['FLAT']}; equal {torch.equal(outs[0], outs[2])}", flush=True)
+        del args, outs
 
 
 if __name__ == "__main__":
