@@ -20,11 +20,12 @@ POINTS = [(100_000, 32, False), (100_000, 32, True), (100_000, 24, False), (100_
 RULE = decode.tma_stages
 
 
-def call_args(heads, kv_heads, context, batch, gen, ragged=False):
-    """decode_attention's leading arguments over a random store at head_dim 128 (shapes.random_store), every sequence
-    at the full context or, ragged, at lengths drawn from [context/2, context]."""
+def call_args(heads, kv_heads, context, batch, gen, ragged=False, axis="token"):
+    """decode_attention's leading arguments over a random store at head_dim 128 with groups (keys per channel: blocks)
+    of 64 (shapes.random_store), every sequence at the full context or, ragged, at lengths drawn from [context/2,
+    context]."""
     layer = shapes.layer_of(kv_heads, 128, gen)
-    cache = shapes.random_store(batch, kv_heads, 128, context, 64, 64, "token", gen)
+    cache = shapes.random_store(batch, kv_heads, 128, context, 64, 64, axis, gen)
     if ragged:
         cache.lengths.copy_(torch.randint(context // 2, context + 1, (batch,), generator=gen, device="cuda"))
     q = torch.randn(batch, heads, 128, generator=gen, device="cuda").bfloat16()
@@ -48,10 +49,10 @@ def race(args, context, arms):
 
 
 def raced(points, arms, gen):
-    """For each point (heads, KV heads, context, batch, ragged): its call's arguments, and race's best times and
-    outputs over arms; each point's store freed before the next is built."""
-    for heads, kv_heads, context, batch, ragged in points:
-        args = call_args(heads, kv_heads, context, batch, gen, ragged)
+    """For each point (heads, KV heads, context, batch, ragged[, key axis]): its call's arguments, and race's best times
+    and outputs over arms; each point's store freed before the next is built."""
+    for heads, kv_heads, context, batch, ragged, *axis in points:
+        args = call_args(heads, kv_heads, context, batch, gen, ragged, *axis)
         yield args, *race(args, context, arms)
         del args
         torch.cuda.empty_cache()

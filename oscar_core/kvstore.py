@@ -218,26 +218,26 @@ def empty_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, key_gro
     def bf16(n):
         return torch.zeros(batch, kv_heads, n, head_dim, dtype=torch.bfloat16, device=device)
 
-    def meta(g, dtype, n=None):
-        shape = (batch, kv_heads, rows, head_dim // g)
-        if n is None:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-        return torch.zeros(n, *shape, dtype=dtype, device=device).unbind(0)   # n arrays, one after another
-
-    # Arrays of one shape share one allocation, one after another: the key codes, then the value codes; with keys
-    # per token in groups as the values', the key scales, key zeros, value scales, value zeros. A tile's bytes of
-    # each group are then one strided box, which the TMA-fed decode copies at once (triton.decode.tma_descriptors).
-    key_codes, value_codes = meta(4, torch.uint8, 2)
+    # Arrays of one size share one allocation, one after another: the key codes, then the value codes; and the key
+    # scales, key zeros, value scales, value zeros where they are of one size (keys per token in groups as the
+    # values'; keys per channel in blocks of 64 tokens with value groups of 64: a block's D bytes, its 64 tokens'
+    # D / 64 each). A tile's bytes of each group are then one strided box, which the TMA-fed decode copies at once
+    # (triton.decode.tma_descriptors).
+    key_codes, value_codes = torch.zeros(2, batch, kv_heads, rows, head_dim // 4, dtype=torch.uint8,
+                                         device=device).unbind(0)
     if key_axis == "channel":
-        key_scale = torch.zeros(batch, kv_heads, rows // block, head_dim, dtype=torch.uint8, device=device)
-        key_zero = torch.zeros(batch, kv_heads, rows // block, head_dim, dtype=torch.int8, device=device)
-        value_scale, value_zero = meta(value_group_size, torch.uint8), meta(value_group_size, torch.int8)
-    elif key_group_size == value_group_size:
-        key_scale, key_zero, value_scale, value_zero = meta(key_group_size, torch.uint8, 4)
-        key_zero, value_zero = key_zero.view(torch.int8), value_zero.view(torch.int8)
+        key_shape = (batch, kv_heads, rows // block, head_dim)
     else:
-        key_scale, key_zero = meta(key_group_size, torch.uint8), meta(key_group_size, torch.int8)
-        value_scale, value_zero = meta(value_group_size, torch.uint8), meta(value_group_size, torch.int8)
+        key_shape = (batch, kv_heads, rows, head_dim // key_group_size)
+    value_shape = (batch, kv_heads, rows, head_dim // value_group_size)
+    if math.prod(key_shape) == math.prod(value_shape):
+        joint = torch.zeros(4, math.prod(key_shape), dtype=torch.uint8, device=device)
+        key_scale, key_zero = (a.view(key_shape) for a in joint[:2])
+        value_scale, value_zero = (a.view(value_shape) for a in joint[2:])
+    else:
+        key_scale, key_zero = (torch.zeros(key_shape, dtype=torch.uint8, device=device) for _ in range(2))
+        value_scale, value_zero = (torch.zeros(value_shape, dtype=torch.uint8, device=device) for _ in range(2))
+    key_zero, value_zero = key_zero.view(torch.int8), value_zero.view(torch.int8)
     return Int2KVCache(
         key_sink=bf16(sink_tokens), value_sink=bf16(sink_tokens),
         key_recent=bf16(ring), value_recent=bf16(ring),
@@ -255,14 +255,14 @@ def allocation_nbytes(tensors) -> int:
 
 def to_device(cache: Int2KVCache, device: str | torch.device) -> Int2KVCache:
     """A copy of the store on device, its arrays grouped in allocations as empty_cache groups them (the key and value
-    codes; the four scale and zero arrays where they are of one shape)."""
+    codes; the four scale and zero arrays where they are of one size)."""
     fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(cache).items()}
     fields["graphs"] = {}
     for names in (("key_codes", "value_codes"), ("key_scale", "key_zero", "value_scale", "value_zero")):
         arrays = [getattr(cache, n) for n in names]
-        if len({a.shape for a in arrays}) == 1:
-            joint = torch.stack([a.view(torch.uint8) for a in arrays]).to(device)
-            fields.update({n: j.view(a.dtype) for n, j, a in zip(names, joint.unbind(0), arrays)})
+        if len({a.numel() * a.element_size() for a in arrays}) == 1:
+            joint = torch.stack([a.contiguous().view(torch.uint8).reshape(-1) for a in arrays]).to(device)
+            fields.update({n: j.view(a.dtype).view(a.shape) for n, j, a in zip(names, joint, arrays)})
     return Int2KVCache(**fields)
 
 

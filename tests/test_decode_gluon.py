@@ -37,6 +37,8 @@ const = dict(dict(HKV=8, S=64, W=256, NW=5, BLOCK_N=64, HT=1, D=128, VT=False, P
 const["MASK_ALL"] = decode.mask_every_tile(const["D"], const["R4"], const["NGV"], const.get("VT", False))
 const["KEYS_AHEAD"] = decode.keys_ahead(const["D"], const["R4"], const["TB"], const["NGK"], const.get("VT", False))
 const.setdefault("PF", decode.prefetch_tiles(const["D"], const["R4"], const["TB"]))
+if const["TMA"]:
+    const.update(KEYS_AHEAD=False, PF=0)   # as decode._plan sets them with the ring
 const.setdefault("STRIDED", decode.strided_tiles(const["D"], const["R4"], const["TB"], const["VT"]))
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
@@ -99,6 +101,9 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     # The TMA ring (decode.tma_stages): bulk copies two tiles ahead, no global load in the loop. Triton 3.6 keeps no
     # stack there; 3.9 64 bytes.
     dict(HG=4, R4=4, STAGES=0, NGK=2, NGV=2, TB=1, VT=True, TMA=2, stack=64),
+    # Keys per channel in blocks of a tile: the block's codes come with the tile's metadata.
+    dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=2, TB=64, VT=True, TMA=2),
+    dict(HG=8, R4=8, STAGES=0, NGK=1, NGV=2, TB=64, VT=True, TMA=2),
 ]
 
 

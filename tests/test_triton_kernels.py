@@ -369,13 +369,15 @@ def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="the TMA ring needs a Hopper GPU")
-def test_tma_ring_gives_the_loads_outputs(monkeypatch):
+@pytest.mark.parametrize("heads,axis", [(32, "token"), (32, "channel"), (64, "channel"), (40, "channel")])
+def test_tma_ring_gives_the_loads_outputs(monkeypatch, heads, axis):
     """The Gluon programs reading through the TMA ring (decode.tma_stages) give the outputs of those loading into
-    registers, bit for bit (the same products in the same order, the same grid), on a ragged batch of 128 pairs;
-    both within 1e-2 of the reference."""
+    registers, bit for bit (the same products in the same order, the same grid), on a ragged batch of 128 pairs,
+    keys per token and per channel (4 and 8 heads a program); both within 1e-2 of the reference."""
     gen = torch.Generator().manual_seed(7)
     lengths = [1500, 400, 65, 2000, 1234, 777, 64, 1999] * 2
-    cache, layer, q = build(gen, lengths, 32, 8, 128, 64, 64, sink=16, recent=32)
+    make = build if axis == "token" else build_channel
+    cache, layer, q = make(gen, lengths, heads, 8, 128, 64, 64, sink=16, recent=32)
     on_device = to_device(cache)
     ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
                                              128 ** -0.5)
@@ -543,15 +545,21 @@ def test_flat_splits_leave_the_tma_ring_its_batches(pairs, expect):
     (32, 8, 128, 64, "token", "tiles", 9, 8, 448, 0),         # 100K x 1
     (32, 8, 128, 64, "token", "tiles", 8, 256, 12_480, 0),    # an A100 has no TMA
     (32, 8, 128, 64, "token", "rows", 9, 256, 12_480, 0),
-    (32, 8, 128, 64, "channel", "tiles", 9, 256, 12_480, 0),
+    (32, 8, 128, 64, "channel", "tiles", 9, 256, 12_480, 2),  # keys per channel in blocks of a tile: everywhere
+    (32, 8, 128, 64, "channel", "tiles", 9, 8, 448, 2),
+    (64, 8, 128, 64, "channel", "tiles", 9, 64, 1_024, 2),    # and at 8 heads a program
+    (32, 8, 128, 128, "channel", "tiles", 9, 256, 12_480, 0),  # blocks of 128: two tiles a block
+    (32, 8, 128, 64, "channel", "rows", 9, 256, 12_480, 0),
+    (32, 8, 128, 64, "channel", "tiles", 8, 256, 12_480, 0),
     (32, 8, 128, 128, "token", "tiles", 9, 256, 12_480, 0),
     (64, 8, 128, 64, "token", "tiles", 9, 256, 12_480, 0),    # 8 heads a program
     (16, 8, 256, 64, "token", "tiles", 9, 256, 12_480, 0),
 ])
 def test_tma_ring_only_where_measured(heads, kv_heads, d, group, axis, layout, major, pairs, rows, expect):
-    """The TMA ring (decode.tma_stages) for the 4-head programs at head_dim 128 with keys per token, two groups a
-    token and the value codes in tiles, from 128 pairs or 2,048 rows a program, on compute capability 9 and later;
-    nowhere else."""
+    """The TMA ring (decode.tma_stages) at head_dim 128 with two value groups a token and the value codes in tiles, on
+    compute capability 9 and later: for the 4-head programs with keys per token in two groups from 128 pairs or 2,048
+    rows a program, and with keys per channel in 64-token blocks at 4 and 8 heads a program everywhere; nowhere
+    else."""
     cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis, value_layout=layout)
     assert decode.tma_stages(major, decode.gluon_constexprs(cache, heads, d, 6), pairs, rows) == expect
 
@@ -572,13 +580,15 @@ def test_tma_descriptors_are_kept_as_long_as_their_store():
 
 
 @pytest.mark.parametrize("move", [False, True])
-def test_tma_descriptors_cover_the_store_arrays(move):
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_tma_descriptors_cover_the_store_arrays(move, axis):
     """The codes descriptor's boxes are the key codes then the value codes, the metadata one's the key scales, key
     zeros, value scales and value zeros, as rows of 32 words, for a store of empty_cache and its copy by
-    kvstore.to_device; a store whose arrays lie apart gets none (and so no ring)."""
+    kvstore.to_device, keys per token or per channel (a 64-token block's 128 bytes where a token's groups have
+    2); a store whose arrays lie apart gets none (and so no ring)."""
     pytest.importorskip("triton.experimental.gluon")
     gen = torch.Generator().manual_seed(3)
-    cache = kvstore.empty_cache(2, 3, 128, 1024, 64, 64)
+    cache = kvstore.empty_cache(2, 3, 128, 1024, 64, 64, key_axis=axis)
     for a in (cache.key_codes, cache.value_codes, cache.key_scale, cache.key_zero.view(torch.uint8),
               cache.value_scale, cache.value_zero.view(torch.uint8)):
         a.copy_(torch.randint(0, 256, a.shape, generator=gen, dtype=torch.uint8))

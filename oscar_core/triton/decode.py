@@ -845,21 +845,28 @@ def flat_programs_a_pair(splits_a_wave: int, pairs: int) -> int:
 def tma_stages(major: int, constexprs: dict, pairs: int, rows: int) -> int:
     """Stages of the TMA ring through which the Gluon programs read their tiles (decode_gluon's TMA; 0: loads into
     registers). A program issues each tile's two bulk copies (TMA: compute capability 9 and later) two tiles ahead
-    and reads its operands from shared memory, so its loop waits on no global load. Only the 4-head programs at
-    head_dim 128 with keys per token, two groups a token and the value codes in tiles (not a window's store, not
-    flat rows), from 128 (sequence, KV head) pairs, or where a program reads 2,048 rows (32 tiles) or more. H100,
-    graph, best of 3 interleaved, Qwen3-8B's shape, loads / ring, µs (kernel_notes.md v32, tma_ring.md):
-    - from 128 pairs: 100K x 32 (12,480 rows a program) 760.8 / 728.8, ragged 676.9 / 612.5; 100K x 16 390.8 /
-      367.0; 32K x 32 282.2 / 262.9; 16K x 16 (1,004 rows) 95.6 / 93.4; 8K x 32 (984) 109.6 / 103.9;
-    - fewer pairs: 100K x 8 (64 pairs, 3,022 rows) 204.7 / 197.5; 64K x 8 (1,977) 143.7 / 143.6; 48K x 8 (1,526)
-      114.8 / 117.0; 32K x 8 (1,024) 85.0 / 88.4; 100K x 4 (1,535) 113.3 / 114.6; 100K x 1 (448) 47.4 / 48.6: there
-      the two-tile prologue is not hidden.
-    MHA (32/32) 100K x 8 738.9 / 689.6, 8K x 8 99.5 / 94.9; GQA 2 (16/8) 100K x 16 386.3 / 362.0. Three and four
-    stages hold more shared memory, so fewer programs fit a multiprocessor, and lose (v31). The outputs are those of
-    the loads, bit for bit."""
+    and reads its operands from shared memory, so its loop waits on no global load. Only at head_dim 128 with two
+    value groups a token and the value codes in tiles (not a window's store, not flat rows), and the outputs are
+    those of the loads, bit for bit. H100, graph, best of 3 interleaved, loads / ring, µs:
+    - keys per token, two groups a token, 4 heads a program (Qwen3-8B; kernel_notes.md v32, tma_ring.md): from 128
+      (sequence, KV head) pairs, or where a program reads 2,048 rows (32 tiles) or more. 100K x 32 (12,480 rows a
+      program) 760.8 / 728.8, ragged 676.9 / 612.5; 100K x 16 390.8 / 367.0; 32K x 32 282.2 / 262.9; 16K x 16
+      (1,004 rows) 95.6 / 93.4; 8K x 32 (984) 109.6 / 103.9; with fewer pairs 100K x 8 (64 pairs, 3,022 rows)
+      204.7 / 197.5; 64K x 8 (1,977) 143.7 / 143.6; 48K x 8 (1,526) 114.8 / 117.0; 32K x 8 (1,024) 85.0 / 88.4;
+      100K x 4 (1,535) 113.3 / 114.6; 100K x 1 (448) 47.4 / 48.6: there the two-tile prologue is not hidden. MHA
+      (32/32) 100K x 8 738.9 / 689.6, 8K x 8 99.5 / 94.9; GQA 2 (16/8) 100K x 16 386.3 / 362.0.
+    - keys per channel in blocks of a tile (64 tokens), 4 or 8 heads a program: everywhere (kernel_notes.md v33,
+      tma_ring_channel.txt). Qwen3-8B 100K x 32 835.5 / 792.8, 100K x 8 228.7 / 216.5, 32K x 32 310.7 / 287.4, 32K x 8
+      93.7 / 89.3, 16K x 16 97.5 / 93.6, 100K x 1 52.6 / 52.0; 8 heads a program: GQA 8 (64/8) 100K x 8 263.0 /
+      232.6, 32K x 8 107.9 / 95.7, 100K x 1 58.0 / 58.0; GQA 5 (40/8) 258.7 / 230.5; GQA 7 (28/4) 142.2 / 126.0.
+    Three and four stages hold more shared memory, so fewer programs fit a multiprocessor, and lose (v31)."""
     c = constexprs
-    fits = c["D"] == 128 and c["R4"] == 4 and c["TB"] == 1 and c["NGK"] == c["NGV"] == 2 and c["VT"] and not c["SLIDE"]
-    return 2 if major >= 9 and fits and (pairs >= 128 or rows >= 2048) else 0
+    if major < 9 or c["D"] != 128 or c["NGV"] != 2 or not c["VT"] or c["SLIDE"]:
+        return 0
+    if c["TB"] == c["BLOCK_N"] and c["R4"] in (4, 8):
+        return 2
+    per_token = c["TB"] == 1 and c["NGK"] == 2 and c["R4"] == 4
+    return 2 if per_token and (pairs >= 128 or rows >= 2048) else 0
 
 
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:
@@ -1281,7 +1288,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     # The TMA ring, only where it leaves the programs a multiprocessor holds as they were (the grid is sized for them).
     ring = None
     if gluon and (stages := tma_stages(_capability(q.device)[0], consts, pairs, chunk)) and tma_descriptors(cache):
-        ring = dict(consts, TMA=stages)
+        ring = dict(consts, TMA=stages, KEYS_AHEAD=False, PF=0)    # the ring holds the next tiles already
         if _gluon_programs_per_sm(cache, ring, q.device) != slots:
             ring = None
     if flat is None:

@@ -447,9 +447,10 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     among the pair's programs; the last of them marks the pair's unused splits empty. Not with STRIDED or the
     ring.
     TMA > 0 (decode.tma_stages): the tiles come through a ring of TMA stages in shared memory, each tile's bulk copies
-    issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 128, NGK = NGV = 2,
-    R4 = 4, VT, not FLAT. cdesc, mdesc: the store's two descriptors (decode.tma_descriptors), of the key and value
-    codes together and of the four scale and zero arrays together; None without the ring."""
+    issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 128, NGV = 2, VT, not
+    FLAT, and keys per token in NGK = 2 groups at R4 = 4 or per channel in blocks of a tile (TB = BLOCK_N, the
+    block's codes with the tile's metadata) at R4 = 4 or 8. cdesc, mdesc: the store's two descriptors
+    (decode.tma_descriptors), of the key and value codes together and of the four scale and zero arrays together; None without the ring."""
     r0 = (gl.program_id(0) % HT) * R4
     if FLAT:
         gl.static_assert((STAGES == 0) and not STRIDED)
@@ -675,7 +676,8 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
     # still: decode.prefetch_tiles); 4 heads and head_dim 64 run faster ahead (H100, kernel_notes.md v14).
     # At head_dim 256 a block's codes are two halves of 128 channels (DH), each read as head_dim 128 reads its.
     DH: gl.constexpr = 128 if D == 256 else D
-    CODES_AHEAD: gl.constexpr = (R4 == 4 and D <= 128) or D == 64
+    # Through the TMA ring a tile's stage holds its block's codes (TB = BLOCK_N): read there, not ahead.
+    CODES_AHEAD: gl.constexpr = ((R4 == 4 and D <= 128) or D == 64) and TMA == 0
     # A program past the store's rows (an empty split) reads, ahead, its last tile's codes instead.
     first = gl.minimum(start, T - BLOCK_N)
     if TB > 1 and CODES_AHEAD:
@@ -748,7 +750,7 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
         elif TMA > 0:
             mbarrier.wait(bars.index(st), phase)
-            cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL))
+            cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB)
             # Every lane's reads of stage st are done before the copy that refills it (generic, then async proxy).
             _barrier()
             fence_async_shared()
@@ -771,7 +773,10 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             a2 = _key_operand(kw2, KL, a_op)
             a3 = _key_operand(kw3, KL, a_op)
         if TB > 1:
-            if not CODES_AHEAD:
+            if TMA > 0:
+                sc_next = kscb
+                z_next = kzb
+            elif not CODES_AHEAD:
                 sc_next = _load_block(ksc + (t0 // TB) * D, DH)
                 z_next = _load_block(kz + (t0 // TB) * D, DH)
             sc0, sc1 = _block_codes(sc_next, gl.SliceLayout(1, b_op), DH, False)
@@ -959,12 +964,14 @@ def _issue_tma(cdesc, mdesc, cring, mring, bars, st, row4, row64):
 
 
 @gluon.jit
-def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr):
-    """_load_tile's registers (head_dim 128, two groups a token, value codes in tiles) from stage st of the TMA ring.
-    Each load's layout gives a lane exactly the words _load_tile's global loads give it (keys: token 8g + j at
+def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.constexpr):
+    """_load_tile's registers (head_dim 128, two value groups a token, value codes in tiles) from stage st of the TMA
+    ring. Each load's layout gives a lane exactly the words _load_tile's global loads give it (keys: token 8g + j at
     descriptor row 2g + j div 4, words 8·(j mod 4) + 2t + e; values: tile row 8B + a, words 8t .. 8t + 7; metadata:
-    words 4g .. 4g + 3), so the conversions after them are register-only. The 128-byte swizzle spreads the key
-    reads' 8 rows of a lane over the banks (two-way conflicts at most; rows in memory order without it: eight)."""
+    words 4g .. 4g + 3; keys per channel in blocks of a tile, TB = 64: the block's scale and zero codes as
+    _load_block gives them, words 8t .. 8t + 7), so the conversions after them are register-only. The 128-byte
+    swizzle spreads the key reads' 8 rows of a lane over the banks (two-way conflicts at most; rows in memory order
+    without it: eight)."""
     KLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0]],
                                                    lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
                                                    warp_bases=[], block_bases=[], shape=[16, 32])
@@ -987,8 +994,16 @@ def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr):
                                                    warp_bases=[], block_bases=[], shape=[1, 32])
     MW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
     meta = mring.index(st).reshape([4, 32])
-    m0 = gl.convert_layout(gl.reshape(meta.slice(0, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
-    m1 = gl.convert_layout(gl.reshape(meta.slice(1, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
+    if TB > 1:
+        BLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
+                                                       lane_bases=[[0, 8], [0, 16], [0, 0], [0, 0], [0, 0]],
+                                                       warp_bases=[], block_bases=[], shape=[1, 32])
+        BW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [0, 1])
+        m0 = gl.convert_layout(gl.reshape(meta.slice(0, 1).load(BLL), [4, 8]), BW, assert_trivial=True)
+        m1 = gl.convert_layout(gl.reshape(meta.slice(1, 1).load(BLL), [4, 8]), BW, assert_trivial=True)
+    else:
+        m0 = gl.convert_layout(gl.reshape(meta.slice(0, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
+        m1 = gl.convert_layout(gl.reshape(meta.slice(1, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
     m2 = gl.convert_layout(gl.reshape(meta.slice(2, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
     m3 = gl.convert_layout(gl.reshape(meta.slice(3, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
     return kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m0, m1, m2, m3
