@@ -104,6 +104,7 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     # Keys per channel in blocks of a tile: the block's codes come with the tile's metadata.
     dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=2, TB=64, VT=True, TMA=2),
     dict(HG=8, R4=8, STAGES=0, NGK=1, NGV=2, TB=64, VT=True, TMA=2),
+    dict(HG=8, R4=8, STAGES=0, NGK=2, NGV=2, TB=1, VT=True, TMA=2),     # keys per token, a score tile a group
 ]
 
 

@@ -369,7 +369,8 @@ def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="the TMA ring needs a Hopper GPU")
-@pytest.mark.parametrize("heads,axis", [(32, "token"), (32, "channel"), (64, "channel"), (40, "channel")])
+@pytest.mark.parametrize("heads,axis", [(32, "token"), (64, "token"), (40, "token"), (128, "token"), (32, "channel"),
+                                        (64, "channel"), (40, "channel")])
 def test_tma_ring_gives_the_loads_outputs(monkeypatch, heads, axis):
     """The Gluon programs reading through the TMA ring (decode.tma_stages) give the outputs of those loading into
     registers, bit for bit (the same products in the same order, the same grid), on a ragged batch of 128 pairs,
@@ -552,14 +553,16 @@ def test_flat_splits_leave_the_tma_ring_its_batches(pairs, expect):
     (32, 8, 128, 64, "channel", "rows", 9, 256, 12_480, 0),
     (32, 8, 128, 64, "channel", "tiles", 8, 256, 12_480, 0),
     (32, 8, 128, 128, "token", "tiles", 9, 256, 12_480, 0),
-    (64, 8, 128, 64, "token", "tiles", 9, 256, 12_480, 0),    # 8 heads a program
+    (64, 8, 128, 64, "token", "tiles", 9, 64, 1_024, 2),      # 8 heads a program: from 768 rows a program
+    (64, 8, 128, 64, "token", "tiles", 9, 8, 896, 2),
+    (32, 2, 128, 64, "token", "tiles", 9, 2, 512, 0),
     (16, 8, 256, 64, "token", "tiles", 9, 256, 12_480, 0),
 ])
 def test_tma_ring_only_where_measured(heads, kv_heads, d, group, axis, layout, major, pairs, rows, expect):
     """The TMA ring (decode.tma_stages) at head_dim 128 with two value groups a token and the value codes in tiles, on
-    compute capability 9 and later: for the 4-head programs with keys per token in two groups from 128 pairs or 2,048
-    rows a program, and with keys per channel in 64-token blocks at 4 and 8 heads a program everywhere; nowhere
-    else."""
+    compute capability 9 and later: with keys per token in two groups for the 4-head programs from 128 pairs or 2,048
+    rows a program and for the 8-head ones from 768 rows, and with keys per channel in 64-token blocks at 4 and 8
+    heads a program everywhere; nowhere else."""
     cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis, value_layout=layout)
     assert decode.tma_stages(major, decode.gluon_constexprs(cache, heads, d, 6), pairs, rows) == expect
 

@@ -859,14 +859,24 @@ def tma_stages(major: int, constexprs: dict, pairs: int, rows: int) -> int:
       tma_ring_channel.txt). Qwen3-8B 100K x 32 835.5 / 792.8, 100K x 8 228.7 / 216.5, 32K x 32 310.7 / 287.4, 32K x 8
       93.7 / 89.3, 16K x 16 97.5 / 93.6, 100K x 1 52.6 / 52.0; 8 heads a program: GQA 8 (64/8) 100K x 8 263.0 /
       232.6, 32K x 8 107.9 / 95.7, 100K x 1 58.0 / 58.0; GQA 5 (40/8) 258.7 / 230.5; GQA 7 (28/4) 142.2 / 126.0.
-    Three and four stages hold more shared memory, so fewer programs fit a multiprocessor, and lose (v31)."""
+    - keys per token, two groups a token, 8 heads a program (GQA 5-16, a score tile a group; tma_ring_gqa.txt): where a
+      program reads 768 rows (12 tiles) or more. GQA 8 (64/8) 100K x 8 235.8 / 221.4, 100K x 32 862.2 / 813.8, 32K
+      x 8 100.6 / 93.4, 16K x 8 (1,004 rows) 67.8 / 61.9, 100K x 1 (891) 57.1 / 53.7; GQA 5 (40/8) 100K x 8 232.5 /
+      218.9; GQA 16 (32/2, two programs a split) 100K x 8 124.1 / 120.3, 32K x 8 (1,014) 58.8 / 57.9, 100K x 1 (512)
+      48.6 / 49.7.
+    Three and four stages hold more shared memory, so fewer programs fit a multiprocessor, and lose (v31; with keys
+    per channel, 12 programs a multiprocessor, 3 stages lose 0.2-4%, and the 4-head programs held to 128 registers
+    for 16 a multiprocessor spill and lose 5-13%: v33)."""
     c = constexprs
     if major < 9 or c["D"] != 128 or c["NGV"] != 2 or not c["VT"] or c["SLIDE"]:
         return 0
     if c["TB"] == c["BLOCK_N"] and c["R4"] in (4, 8):
         return 2
-    per_token = c["TB"] == 1 and c["NGK"] == 2 and c["R4"] == 4
-    return 2 if per_token and (pairs >= 128 or rows >= 2048) else 0
+    if c["TB"] > 1 or c["NGK"] != 2:
+        return 0
+    if c["R4"] == 8:
+        return 2 if rows >= 768 else 0
+    return 2 if c["R4"] == 4 and (pairs >= 128 or rows >= 2048) else 0
 
 
 def mask_every_tile(head_dim: int, heads_per_program: int, value_groups: int, value_tiles: bool = False) -> bool:

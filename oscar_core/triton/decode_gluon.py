@@ -750,7 +750,7 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
         elif TMA > 0:
             mbarrier.wait(bars.index(st), phase)
-            cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB)
+            cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB, GS)
             # Every lane's reads of stage st are done before the copy that refills it (generic, then async proxy).
             _barrier()
             fence_async_shared()
@@ -964,7 +964,7 @@ def _issue_tma(cdesc, mdesc, cring, mring, bars, st, row4, row64):
 
 
 @gluon.jit
-def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.constexpr):
+def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.constexpr, GS: gl.constexpr):
     """_load_tile's registers (head_dim 128, two value groups a token, value codes in tiles) from stage st of the TMA
     ring. Each load's layout gives a lane exactly the words _load_tile's global loads give it (keys: token 8g + j at
     descriptor row 2g + j div 4, words 8·(j mod 4) + 2t + e; values: tile row 8B + a, words 8t .. 8t + 7; metadata:
@@ -972,12 +972,19 @@ def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.const
     _load_block gives them, words 8t .. 8t + 7), so the conversions after them are register-only. The 128-byte
     swizzle spreads the key reads' 8 rows of a lane over the banks (two-way conflicts at most; rows in memory order
     without it: eight)."""
-    KLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0]],
-                                                   lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
-                                                   warp_bases=[], block_bases=[], shape=[16, 32])
     codes = cring.index(st).reshape([32, 32])
-    x = codes.slice(0, 16).load(KLL)
-    x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 4, 2]), [1, 2, 0, 3, 4]), [64, 4, 2])
+    if GS:
+        KGS: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 4], [0, 8], [0, 16], [1, 0]],
+                                                       lane_bases=[[0, 1], [0, 2], [2, 0], [4, 0], [8, 0]],
+                                                       warp_bases=[], block_bases=[], shape=[16, 32])
+        x = codes.slice(0, 16).load(KGS)
+        x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 2, 4]), [1, 2, 0, 4, 3]), [64, 4, 2])
+    else:
+        KLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0]],
+                                                       lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
+                                                       warp_bases=[], block_bases=[], shape=[16, 32])
+        x = codes.slice(0, 16).load(KLL)
+        x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 4, 2]), [1, 2, 0, 3, 4]), [64, 4, 2])
     kw0, kw1 = gl.split(x)
     kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
     kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
