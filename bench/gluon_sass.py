@@ -34,9 +34,15 @@ from oscar_core.triton import decode, decode_gluon  # noqa: E402
 
 TYPES = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8", vz_ptr="*u8",
              len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
-             # decode.tma_descriptors' (read only where TMA > 0)
+             # decode.tma_descriptors' at head_dim 128 (read only where TMA > 0; descriptor_types at others)
              cdesc=f"tensordesc<i32[2, 16, 32],{gl.NVMMASharedLayout(128, 32, 3)!r}>",
              mdesc=f"tensordesc<i32[4, 1, 32],{gl.NVMMASharedLayout(0, 32, 3)!r}>")
+
+
+def descriptor_types(d: int) -> dict:
+    """The signature types of decode.tma_descriptors' two descriptors at head_dim d."""
+    return dict(cdesc=f"tensordesc<i32[2, {d // 8}, 32],{gl.NVMMASharedLayout(128, 32, 3)!r}>",
+                mdesc=f"tensordesc<i32[4, 1, {d // 4}],{gl.NVMMASharedLayout(0, 32, 3)!r}>")
 SMEM_PER_SM = 228 * 1024    # H100
 
 
@@ -49,7 +55,8 @@ def constexprs(heads: int, kv_heads: int, d: int, gk: int, gv: int, axis: str, l
 
 def compile_row(const: dict) -> dict:
     fn = decode_gluon._int2_split_kernel
-    sig = {a: TYPES.get(a, "i32") for a in fn.arg_names if a not in const}
+    types = dict(TYPES, **descriptor_types(const["D"]))
+    sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*") or a == "T"}
     src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
     options = dict(decode._gluon_options(const), num_stages=1)

@@ -20,16 +20,16 @@ POINTS = [(100_000, 32, False), (100_000, 32, True), (100_000, 24, False), (100_
 RULE = decode.tma_stages
 
 
-def call_args(heads, kv_heads, context, batch, gen, ragged=False, axis="token"):
-    """decode_attention's leading arguments over a random store at head_dim 128 with groups (keys per channel: blocks)
-    of 64 (shapes.random_store), every sequence at the full context or, ragged, at lengths drawn from [context/2,
-    context]."""
-    layer = shapes.layer_of(kv_heads, 128, gen)
-    cache = shapes.random_store(batch, kv_heads, 128, context, 64, 64, axis, gen)
+def call_args(heads, kv_heads, context, batch, gen, ragged=False, axis="token", d=128):
+    """decode_attention's leading arguments over a random store (head_dim 128 unless given) with groups (keys per
+    channel: blocks) of 64 (shapes.random_store), every sequence at the full context or, ragged, at lengths drawn from
+    [context/2, context]."""
+    layer = shapes.layer_of(kv_heads, d, gen)
+    cache = shapes.random_store(batch, kv_heads, d, context, 64, 64, axis, gen)
     if ragged:
         cache.lengths.copy_(torch.randint(context // 2, context + 1, (batch,), generator=gen, device="cuda"))
-    q = torch.randn(batch, heads, 128, generator=gen, device="cuda").bfloat16()
-    return q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, 128 ** -0.5
+    q = torch.randn(batch, heads, d, generator=gen, device="cuda").bfloat16()
+    return q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, d ** -0.5
 
 
 def race(args, context, arms):
@@ -49,10 +49,10 @@ def race(args, context, arms):
 
 
 def raced(points, arms, gen):
-    """For each point (heads, KV heads, context, batch, ragged[, key axis]): its call's arguments, and race's best times
-    and outputs over arms; each point's store freed before the next is built."""
-    for heads, kv_heads, context, batch, ragged, *axis in points:
-        args = call_args(heads, kv_heads, context, batch, gen, ragged, *axis)
+    """For each point (heads, KV heads, context, batch, ragged[, key axis[, head_dim]]): its call's arguments, and
+    race's best times and outputs over arms; each point's store freed before the next is built."""
+    for heads, kv_heads, context, batch, ragged, *rest in points:
+        args = call_args(heads, kv_heads, context, batch, gen, ragged, *rest)
         yield args, *race(args, context, arms)
         del args
         torch.cuda.empty_cache()

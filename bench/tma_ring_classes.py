@@ -10,7 +10,8 @@ programs short, and MHA and GQA 2.
         32,8,32768,32,channel 32,8,32768,8,channel 32,8,100000,1,channel 32,8,16384,16,channel 64,8,100000,8,channel \
         40,8,100000,8,channel 28,4,100000,8,channel 64,8,32768,8,channel 64,8,100000,1,channel \
         > bench/results/tma_ring_channel.txt
-Args: heads,kv_heads,context,batch[,channel] ... (channel: keys per channel in blocks of 64)
+Args: heads,kv_heads,context,batch[,axis[,head_dim]] ... (axis token or channel: keys per channel in blocks of 64;
+head_dim 128 unless given)
 """
 import sys
 
@@ -28,13 +29,14 @@ EDGE = [(32, 8, 8192, 32), (32, 8, 16384, 32), (32, 8, 16384, 16), (32, 8, 49152
 
 def main():
     gen = torch.Generator("cuda").manual_seed(0)
-    points = [tuple(int(x) for x in spec.split(",")[:4]) + (False, *spec.split(",")[4:]) for spec in sys.argv[1:]]
+    specs = [spec.split(",") for spec in sys.argv[1:]]
+    points = [(*map(int, f[:4]), False, *f[4:5], *map(int, f[5:])) for f in specs]
     points = points or [p + (False,) for p in EDGE]
     arms = {0: (None, 0), 2: (None, 2)}
-    for (heads, kv, context, batch, _, *axis), (args, best, outs) in zip(points, raced(points, arms, gen)):
+    for (heads, kv, context, batch, _, *rest), (args, best, outs) in zip(points, raced(points, arms, gen)):
         plan = decode.launch_plan(args[0], args[1], max_length=context)
         rows = -(-args[1].key_codes.shape[2] // plan.n_int2)
-        label = f"{heads}/{kv}{' ' + axis[0] if axis else ''}"
+        label = " ".join([f"{heads}/{kv}", *map(str, rest)])
         print(f"{label} {context} x {batch}: loads {best[0] * 1e3:.1f}  ring {best[2] * 1e3:.1f} µs  "
               f"({best[2] / best[0]:.3f}); rows a program ~{rows}; rule TMA {plan.gluon_consts['TMA']}, flat "
               f"{plan.gluon_consts['FLAT']}; equal {torch.equal(outs[0], outs[2])}", flush=True)

@@ -42,8 +42,8 @@ if const["TMA"]:
 const.setdefault("STRIDED", decode.strided_tiles(const["D"], const["R4"], const["TB"], const["VT"]))
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
-             cdesc="tensordesc<i32[2, 16, 32],NVMMASharedLayout(128, 32, 3)>",
-             mdesc="tensordesc<i32[4, 1, 32],NVMMASharedLayout(0, 32, 3)>")
+             cdesc=f"tensordesc<i32[2, {const['D'] // 8}, 32],NVMMASharedLayout(128, 32, 3)>",
+             mdesc=f"tensordesc<i32[4, 1, {const['D'] // 4}],NVMMASharedLayout(0, 32, 3)>")
 sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}
 attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*") or a == "T"}
 src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
@@ -105,6 +105,10 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=2, TB=64, VT=True, TMA=2),
     dict(HG=8, R4=8, STAGES=0, NGK=1, NGV=2, TB=64, VT=True, TMA=2),
     dict(HG=8, R4=8, STAGES=0, NGK=2, NGV=2, TB=1, VT=True, TMA=2),     # keys per token, a score tile a group
+    # Head_dim 64: a tile's codes [2, 8, 32] words, its metadata [4, 1, 16].
+    dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=1, TB=1, D=64, VT=True, TMA=2),
+    dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=1, TB=64, D=64, VT=True, TMA=2),
+    dict(HG=7, R4=8, STAGES=0, NGK=1, NGV=1, TB=64, D=64, VT=True, TMA=2),
 ]
 
 
@@ -112,7 +116,7 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
 def test_gluon_int2_programs_compile_for_sm90(tmp_path, shape):
     """Every program compiles for sm_90 with no spills (stack: the bytes a setting measured faster with), its
     products on the tensor cores and shared memory only for the rings (cp.async or TMA: a tile's 4,608 bytes a
-    stage, and the TMA stages' mbarriers)."""
+    stage at head_dim 128, 2,304 at 64, and the TMA stages' mbarriers)."""
     shape = dict(shape)
     stack = shape.pop("stack", 0)
     cubin = tmp_path / "k.cubin"
@@ -124,8 +128,8 @@ def test_gluon_int2_programs_compile_for_sm90(tmp_path, shape):
     usage = subprocess.run([BIN / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= stack, usage
     # Shared memory holds only the ring of copied tiles; the products take their operands from registers.
-    tma = shape.get("TMA", 0)
-    assert shared == (shape["STAGES"] + tma) * 4608 + 8 * tma
+    tma, d = shape.get("TMA", 0), shape.get("D", 128)
+    assert shared == shape["STAGES"] * 4608 + tma * (32 * d + 256 * shape["NGV"] + 8)
     sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
     assert "HMMA.16816.F32.BF16" in sass
     assert ("LDGSTS.E.BYPASS.128" in sass) == (shape["STAGES"] > 0)  # 16-byte cp.async copies

@@ -369,19 +369,22 @@ def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="the TMA ring needs a Hopper GPU")
-@pytest.mark.parametrize("heads,axis", [(32, "token"), (64, "token"), (40, "token"), (128, "token"), (32, "channel"),
-                                        (64, "channel"), (40, "channel")])
-def test_tma_ring_gives_the_loads_outputs(monkeypatch, heads, axis):
+@pytest.mark.parametrize("heads,axis,d", [
+    (32, "token", 128), (64, "token", 128), (40, "token", 128), (128, "token", 128),
+    (32, "channel", 128), (64, "channel", 128), (40, "channel", 128),
+    (32, "token", 64), (24, "channel", 64), (56, "channel", 64)])
+def test_tma_ring_gives_the_loads_outputs(monkeypatch, heads, axis, d):
     """The Gluon programs reading through the TMA ring (decode.tma_stages) give the outputs of those loading into
     registers, bit for bit (the same products in the same order, the same grid), on a ragged batch of 128 pairs,
-    keys per token and per channel (4 and 8 heads a program); both within 1e-2 of the reference."""
+    keys per token and per channel (4 and 8 heads a program), head_dim 128 and 64; both within 1e-2 of the
+    reference."""
     gen = torch.Generator().manual_seed(7)
     lengths = [1500, 400, 65, 2000, 1234, 777, 64, 1999] * 2
     make = build if axis == "token" else build_channel
-    cache, layer, q = make(gen, lengths, heads, 8, 128, 64, 64, sink=16, recent=32)
+    cache, layer, q = make(gen, lengths, heads, 8, d, 64, 64, sink=16, recent=32)
     on_device = to_device(cache)
     ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
-                                             128 ** -0.5)
+                                             d ** -0.5)
     outs = {}
     for stages in (0, 2):
         monkeypatch.setattr(decode, "tma_stages", lambda major, consts, pairs, rows, stages=stages: stages)
@@ -390,7 +393,7 @@ def test_tma_ring_gives_the_loads_outputs(monkeypatch, heads, axis):
         assert plan.gluon_consts["TMA"] == stages and not plan.gluon_consts["FLAT"]
         # Twice: the first call compiles and launches through the JIT, the second the compiled kernel directly.
         calls = [decode.decode_attention(q.to(DEVICE), on_device, layer.key_rotation.to(DEVICE),
-                                         layer.value_rotation.to(DEVICE), layer.value_mean.to(DEVICE), 128 ** -0.5,
+                                         layer.value_rotation.to(DEVICE), layer.value_mean.to(DEVICE), d ** -0.5,
                                          gluon=True, graph=False) for _ in range(2)]
         assert torch.equal(calls[0], calls[1])
         outs[stages] = calls[0]
@@ -551,6 +554,11 @@ def test_flat_splits_leave_the_tma_ring_its_batches(pairs, expect):
     (64, 8, 128, 64, "channel", "tiles", 9, 64, 1_024, 2),    # and at 8 heads a program
     (32, 8, 128, 128, "channel", "tiles", 9, 256, 12_480, 0),  # blocks of 128: two tiles a block
     (32, 8, 128, 64, "channel", "rows", 9, 256, 12_480, 0),
+    (9, 3, 64, 64, "channel", "tiles", 9, 24, 192, 2),        # head_dim 64: SmolLM2 at 16K x 8
+    (14, 2, 64, 64, "channel", "tiles", 9, 16, 768, 2),       # Qwen2.5-0.5B, 8 heads a program
+    (32, 8, 64, 64, "token", "tiles", 9, 8, 448, 2),          # Llama-3.2-1B at 100K x 1
+    (64, 8, 64, 64, "token", "tiles", 9, 64, 3_072, 0),       # 8 heads a program with keys per token: not measured
+    (32, 8, 64, 64, "channel", "rows", 9, 64, 3_072, 0),
     (32, 8, 128, 64, "channel", "tiles", 8, 256, 12_480, 0),
     (32, 8, 128, 128, "token", "tiles", 9, 256, 12_480, 0),
     (64, 8, 128, 64, "token", "tiles", 9, 64, 1_024, 2),      # 8 heads a program: from 768 rows a program
@@ -559,10 +567,10 @@ def test_flat_splits_leave_the_tma_ring_its_batches(pairs, expect):
     (16, 8, 256, 64, "token", "tiles", 9, 256, 12_480, 0),
 ])
 def test_tma_ring_only_where_measured(heads, kv_heads, d, group, axis, layout, major, pairs, rows, expect):
-    """The TMA ring (decode.tma_stages) at head_dim 128 with two value groups a token and the value codes in tiles, on
-    compute capability 9 and later: with keys per token in two groups for the 4-head programs from 128 pairs or 2,048
-    rows a program and for the 8-head ones from 768 rows, and with keys per channel in 64-token blocks at 4 and 8
-    heads a program everywhere; nowhere else."""
+    """The TMA ring (decode.tma_stages) at head_dim 64 and 128 with value groups of 64 and the value codes in tiles,
+    on compute capability 9 and later: with keys per channel in 64-token blocks at 4 and 8 heads a program everywhere;
+    with keys per token in groups of 64 at head_dim 128 for the 4-head programs from 128 pairs or 2,048 rows a program
+    and for the 8-head ones from 768 rows, at head_dim 64 for the 4-head programs everywhere; nowhere else."""
     cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis, value_layout=layout)
     assert decode.tma_stages(major, decode.gluon_constexprs(cache, heads, d, 6), pairs, rows) == expect
 
@@ -584,24 +592,26 @@ def test_tma_descriptors_are_kept_as_long_as_their_store():
 
 @pytest.mark.parametrize("move", [False, True])
 @pytest.mark.parametrize("axis", ["token", "channel"])
-def test_tma_descriptors_cover_the_store_arrays(move, axis):
-    """The codes descriptor's boxes are the key codes then the value codes, the metadata one's the key scales, key
-    zeros, value scales and value zeros, as rows of 32 words, for a store of empty_cache and its copy by
-    kvstore.to_device, keys per token or per channel (a 64-token block's 128 bytes where a token's groups have
-    2); a store whose arrays lie apart gets none (and so no ring)."""
+@pytest.mark.parametrize("d", [128, 64])
+def test_tma_descriptors_cover_the_store_arrays(move, axis, d):
+    """The codes descriptor's boxes are the key codes then the value codes (rows of 32 words), the metadata one's the
+    key scales, key zeros, value scales and value zeros (rows of a tile's D/4 words), for a store of empty_cache and
+    its copy by kvstore.to_device, keys per token or per channel (a 64-token block's D bytes where a token's groups
+    have D/64); a store whose arrays lie apart gets none (and so no ring)."""
     pytest.importorskip("triton.experimental.gluon")
     gen = torch.Generator().manual_seed(3)
-    cache = kvstore.empty_cache(2, 3, 128, 1024, 64, 64, key_axis=axis)
+    cache = kvstore.empty_cache(2, 3, d, 1024, 64, 64, key_axis=axis)
     for a in (cache.key_codes, cache.value_codes, cache.key_scale, cache.key_zero.view(torch.uint8),
               cache.value_scale, cache.value_zero.view(torch.uint8)):
         a.copy_(torch.randint(0, 256, a.shape, generator=gen, dtype=torch.uint8))
     if move:
         cache = kvstore.to_device(cache, "cpu")
     codes, meta = decode.tma_descriptors(cache)
-    assert codes.block_shape == [2, 16, 32] and meta.block_shape == [4, 1, 32]
+    assert codes.block_shape == [2, d // 8, 32] and meta.block_shape == [4, 1, d // 4]
     for desc, arrays in ((codes, (cache.key_codes, cache.value_codes)),
                          (meta, (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero))):
-        assert list(desc.base.shape) == [len(arrays), arrays[0].numel() // 128, 32]
+        width = desc.block_shape[-1]
+        assert list(desc.base.shape) == [len(arrays), arrays[0].numel() // (4 * width), width]
         for box, a in zip(desc.base.unbind(0), arrays):
             assert torch.equal(box.reshape(-1), a.reshape(-1).view(torch.int32))
     apart = dataclasses.replace(cache, value_codes=cache.value_codes.clone())

@@ -845,9 +845,9 @@ def flat_programs_a_pair(splits_a_wave: int, pairs: int) -> int:
 def tma_stages(major: int, constexprs: dict, pairs: int, rows: int) -> int:
     """Stages of the TMA ring through which the Gluon programs read their tiles (decode_gluon's TMA; 0: loads into
     registers). A program issues each tile's two bulk copies (TMA: compute capability 9 and later) two tiles ahead
-    and reads its operands from shared memory, so its loop waits on no global load. Only at head_dim 128 with two
-    value groups a token and the value codes in tiles (not a window's store, not flat rows), and the outputs are
-    those of the loads, bit for bit. H100, graph, best of 3 interleaved, loads / ring, µs:
+    and reads its operands from shared memory, so its loop waits on no global load. Only at head_dim 64 and 128 with
+    value groups of 64 and the value codes in tiles (not a window's store, not flat rows), and the outputs are those
+    of the loads, bit for bit. H100, graph, best of 3 interleaved, loads / ring, µs:
     - keys per token, two groups a token, 4 heads a program (Qwen3-8B; kernel_notes.md v32, tma_ring.md): from 128
       (sequence, KV head) pairs, or where a program reads 2,048 rows (32 tiles) or more. 100K x 32 (12,480 rows a
       program) 760.8 / 728.8, ragged 676.9 / 612.5; 100K x 16 390.8 / 367.0; 32K x 32 282.2 / 262.9; 16K x 16
@@ -864,16 +864,22 @@ def tma_stages(major: int, constexprs: dict, pairs: int, rows: int) -> int:
       x 8 100.6 / 93.4, 16K x 8 (1,004 rows) 67.8 / 61.9, 100K x 1 (891) 57.1 / 53.7; GQA 5 (40/8) 100K x 8 232.5 /
       218.9; GQA 16 (32/2, two programs a split) 100K x 8 124.1 / 120.3, 32K x 8 (1,014) 58.8 / 57.9, 100K x 1 (512)
       48.6 / 49.7.
+    - head_dim 64 (tma_ring_d64.txt), keys per channel at 4 and 8 heads a program and keys per token at 4: everywhere
+      measured. SmolLM2 (9/3, keys per channel) 100K x 8 56.5 / 55.4, 16K x 8 (192 rows) 24.5 / 23.5; Qwen2.5-0.5B
+      (14/2, 8 heads a program) 100K x 8 50.6 / 48.4; Llama-3.2-1B (32/8, keys per token) 100K x 8 116.3 / 112.3,
+      100K x 1 31.5 / 31.1.
     Three and four stages hold more shared memory, so fewer programs fit a multiprocessor, and lose (v31; with keys
     per channel, 12 programs a multiprocessor, 3 stages lose 0.2-4%, and the 4-head programs held to 128 registers
     for 16 a multiprocessor spill and lose 5-13%: v33)."""
     c = constexprs
-    if major < 9 or c["D"] != 128 or c["NGV"] != 2 or not c["VT"] or c["SLIDE"]:
+    if major < 9 or c["D"] not in (64, 128) or c["NGV"] * 64 != c["D"] or not c["VT"] or c["SLIDE"]:
         return 0
     if c["TB"] == c["BLOCK_N"] and c["R4"] in (4, 8):
         return 2
-    if c["TB"] > 1 or c["NGK"] != 2:
+    if c["TB"] > 1 or c["NGK"] * 64 != c["D"]:
         return 0
+    if c["D"] == 64:
+        return 2 if c["R4"] == 4 else 0
     if c["R4"] == 8:
         return 2 if rows >= 768 else 0
     return 2 if c["R4"] == 4 and (pairs >= 128 or rows >= 2048) else 0
@@ -1004,12 +1010,13 @@ def tma_descriptors(cache: Int2KVCache) -> tuple | None:
     them out as kvstore.empty_cache does (the value codes right after the key codes; the key scales, key zeros, value
     scales and value zeros one after another). Two descriptors, one bulk copy each a tile, both views of the store's
     own bytes (never a copy):
-      codes [2, B·H_kv·T/4, 32] int32 words, the key codes then the value codes as rows of 4 tokens, a tile [2, 16,
-        32] with the 128-byte swizzle;
-      metadata [4, B·H_kv·T/64, 32] words, the four arrays as rows of 64 tokens' bytes, a tile [4, 1, 32].
-    Head_dim 128, two groups a token, value codes in tiles (tma_stages). A descriptor holds only an address, shape and
-    strides, so they are built once (about 60 µs of host time) and kept beside the store's key codes for as long as
-    those live (a weak key: a store that grows or is freed takes its descriptors with it)."""
+      codes [2, B·H_kv·T·D/512, 32] int32 words, the key codes then the value codes as rows of 512/D tokens, a tile
+        [2, D/8, 32] with the 128-byte swizzle;
+      metadata [4, B·H_kv·T/64·R, C] words, the four arrays as rows of C = min(W, 32) words, a tile's W = D/4 words
+        (one group of 64 channels a token, or a 64-token key block's D codes) [4, R = W/C, C].
+    Head_dim 64 or 128, value groups of 64, value codes in tiles (tma_stages). A descriptor holds only an address,
+    shape and strides, so they are built once (about 60 µs of host time) and kept beside the store's key codes for as
+    long as those live (a weak key: a store that grows or is freed takes its descriptors with it)."""
     codes = (cache.key_codes, cache.value_codes)
     meta = (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero)
     key = tuple((a.data_ptr(), a.numel()) for a in codes + meta)
@@ -1022,10 +1029,13 @@ def tma_descriptors(cache: Int2KVCache) -> tuple | None:
 
             def boxes(arrays, block, swizzle):
                 words = arrays[0].view(-1).view(torch.int32)
-                joint = words.as_strided((len(arrays), words.numel() // 32, 32), (words.numel(), 32, 1))
+                width = block[-1]
+                joint = words.as_strided((len(arrays), words.numel() // width, width), (words.numel(), width, 1))
                 return TensorDescriptor.from_tensor(joint, block, gl.NVMMASharedLayout(swizzle, 32, 3))
 
-            descriptors = (boxes(codes, [2, 16, 32], 128), boxes(meta, [4, 1, 32], 0))
+            d = cache.key_codes.shape[-1] * 4
+            width = min(d // 4, 32)
+            descriptors = (boxes(codes, [2, d // 8, 32], 128), boxes(meta, [4, d // 4 // width, width], 0))
         hit = (weakref.ref(cache.key_codes), key, descriptors)
         _TMA_DESCRIPTORS[id(cache.key_codes)] = hit
         weakref.finalize(cache.key_codes, _TMA_DESCRIPTORS.pop, id(cache.key_codes), None)

@@ -447,10 +447,11 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     among the pair's programs; the last of them marks the pair's unused splits empty. Not with STRIDED or the
     ring.
     TMA > 0 (decode.tma_stages): the tiles come through a ring of TMA stages in shared memory, each tile's bulk copies
-    issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 128, NGV = 2, VT, not
-    FLAT, and keys per token in NGK = 2 groups at R4 = 4 or per channel in blocks of a tile (TB = BLOCK_N, the
-    block's codes with the tile's metadata) at R4 = 4 or 8. cdesc, mdesc: the store's two descriptors
-    (decode.tma_descriptors), of the key and value codes together and of the four scale and zero arrays together; None without the ring."""
+    issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 64 or 128, value
+    groups of 64, VT, not FLAT, and keys per token in groups of 64 (at head_dim 128 R4 = 4, or 8 with GS) or per
+    channel in blocks of a tile (TB = BLOCK_N, the block's codes with the tile's metadata) at R4 = 4 or 8. cdesc,
+    mdesc: the store's two descriptors (decode.tma_descriptors), of the key and value codes together and of the four
+    scale and zero arrays together; None without the ring."""
     r0 = (gl.program_id(0) % HT) * R4
     if FLAT:
         gl.static_assert((STAGES == 0) and not STRIDED)
@@ -714,20 +715,24 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
                 _issue(ksm, vsm, msm, i, kw, vh, mp, start + i * BLOCK_N, kc, vc)
             async_copy.commit_group()
     if TMA > 0:
-        # The TMA ring: stage j holds a tile's key and value codes ([2, 16, 32] words: rows of 4 tokens, 128-byte
-        # swizzle) and its four metadata arrays' 128 bytes ([4, 1, 32]), two bulk copies of 4,608 bytes in all on
-        # the stage's mbarrier.
-        cring = gl.allocate_shared_memory(gl.int32, [TMA, 2, 16, 32], cdesc.layout)
-        mring = gl.allocate_shared_memory(gl.int32, [TMA, 4, 1, 32], mdesc.layout)
+        # The TMA ring: stage j holds a tile's key and value codes ([2, D/8, 32] words: rows of 512/D tokens, 128-byte
+        # swizzle) and its four metadata arrays' 16·NGV words each ([4, MR, MC]: one row a tile up to 32 words),
+        # two bulk copies on the stage's mbarrier.
+        CSH: gl.constexpr = 3 if D == 64 else (2 if D == 128 else 1)    # log2 of the tokens a codes row
+        MC: gl.constexpr = 16 * NGV if NGV < 2 else 32
+        MR: gl.constexpr = 16 * NGV // MC
+        cring = gl.allocate_shared_memory(gl.int32, [TMA, 2, D // 8, 32], cdesc.layout)
+        mring = gl.allocate_shared_memory(gl.int32, [TMA, 4, MR, MC], mdesc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [TMA, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(TMA):
             mbarrier.init(bars.index(j), count=1)
-        row4 = bh * (T // 4)
-        row64 = bh * (T // 64)
+        crow = bh * (T >> CSH)
+        mrow = bh * (T // 64)
         for j in gl.static_range(TMA):
             tj = start + j * step
             if tj < end:
-                _issue_tma(cdesc, mdesc, cring, mring, bars, j, row4 + (tj >> 2), row64 + (tj >> 6))
+                _issue_tma(cdesc, mdesc, cring, mring, bars, j, crow + (tj >> CSH), (mrow + (tj >> 6)) * MR,
+                           32 * D + 256 * NGV)
         # The stage and its mbarrier's phase, carried (a division by the step each tile cost 20 instructions).
         st = 0
         phase = 0
@@ -750,13 +755,14 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
         elif TMA > 0:
             mbarrier.wait(bars.index(st), phase)
-            cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB, GS)
+            cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB, GS, D)
             # Every lane's reads of stage st are done before the copy that refills it (generic, then async proxy).
             _barrier()
             fence_async_shared()
             tn = t0 + TMA * step
             if tn < end:
-                _issue_tma(cdesc, mdesc, cring, mring, bars, st, row4 + (tn >> 2), row64 + (tn >> 6))
+                _issue_tma(cdesc, mdesc, cring, mring, bars, st, crow + (tn >> CSH), (mrow + (tn >> 6)) * MR,
+                           32 * D + 256 * NGV)
             wrap = (st == TMA - 1).to(gl.int32)
             st = (st + 1) * (1 - wrap)
             phase = phase ^ wrap
@@ -953,64 +959,100 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
 
 
 @gluon.jit
-def _issue_tma(cdesc, mdesc, cring, mring, bars, st, row4, row64):
-    """Start the two bulk copies of a tile into stage st of the TMA ring: its key and value codes (rows row4 .. row4 + 15
-    of 4 tokens of both arrays, one box) and its four metadata arrays' 128 bytes (row row64 of each, one box), 4,608
-    bytes on the stage's mbarrier."""
+def _issue_tma(cdesc, mdesc, cring, mring, bars, st, crow, mrow, NBYTES: gl.constexpr):
+    """Start the two bulk copies of a tile into stage st of the TMA ring: its key and value codes (codes rows crow ..,
+    one box of both arrays) and its four metadata arrays' bytes (metadata rows mrow .., one box), NBYTES in all on
+    the stage's mbarrier."""
     bar = bars.index(st)
-    mbarrier.expect(bar, 4608)
-    _tma_load(cdesc, [0, row4, 0], bar, cring.index(st))
-    _tma_load(mdesc, [0, row64, 0], bar, mring.index(st))
+    mbarrier.expect(bar, NBYTES)
+    _tma_load(cdesc, [0, crow, 0], bar, cring.index(st))
+    _tma_load(mdesc, [0, mrow, 0], bar, mring.index(st))
 
 
 @gluon.jit
-def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.constexpr, GS: gl.constexpr):
-    """_load_tile's registers (head_dim 128, two value groups a token, value codes in tiles) from stage st of the TMA
-    ring. Each load's layout gives a lane exactly the words _load_tile's global loads give it (keys: token 8g + j at
-    descriptor row 2g + j div 4, words 8·(j mod 4) + 2t + e; values: tile row 8B + a, words 8t .. 8t + 7; metadata:
-    words 4g .. 4g + 3; keys per channel in blocks of a tile, TB = 64: the block's scale and zero codes as
-    _load_block gives them, words 8t .. 8t + 7), so the conversions after them are register-only. The 128-byte
-    swizzle spreads the key reads' 8 rows of a lane over the banks (two-way conflicts at most; rows in memory order
-    without it: eight)."""
-    codes = cring.index(st).reshape([32, 32])
-    if GS:
-        KGS: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 4], [0, 8], [0, 16], [1, 0]],
-                                                       lane_bases=[[0, 1], [0, 2], [2, 0], [4, 0], [8, 0]],
-                                                       warp_bases=[], block_bases=[], shape=[16, 32])
-        x = codes.slice(0, 16).load(KGS)
-        x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 2, 4]), [1, 2, 0, 4, 3]), [64, 4, 2])
-    else:
-        KLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0]],
-                                                       lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
-                                                       warp_bases=[], block_bases=[], shape=[16, 32])
-        x = codes.slice(0, 16).load(KLL)
-        x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 4, 2]), [1, 2, 0, 3, 4]), [64, 4, 2])
-    kw0, kw1 = gl.split(x)
-    kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
-    kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
-    VLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-                                                   lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                                   warp_bases=[], block_bases=[], shape=[16, 32])
+def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.constexpr, GS: gl.constexpr,
+              D: gl.constexpr):
+    """_load_tile's registers (head_dim 64 or 128, value codes in tiles) from stage st of the TMA ring. Each load's
+    layout gives a lane exactly the words _load_tile's global loads give it, so the conversions after them are
+    register-only. Keys, token 8g + j: at head_dim 128 descriptor row 2g + j div 4, words 8·(j mod 4) + 2t + e (GS:
+    t + 4e); at 64 row g, word 4j + t. Values: tile row 8B + a, words 8t .. 8t + 7. The 128-byte swizzle spreads
+    the key reads' 8 rows of a lane over the banks (two-way conflicts at most; rows in memory order without it:
+    eight). The metadata: _ring_meta."""
     VW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1])
-    y = codes.slice(16, 16).load(VLL)
-    y0, y1 = gl.split(gl.permute(gl.reshape(y, [2, 8, 4, 8]), [2, 1, 3, 0]))
-    vw0 = _tile_words(gl.convert_layout(y0, VW, assert_trivial=True), VS)
-    vw1 = _tile_words(gl.convert_layout(y1, VW, assert_trivial=True), VS)
-    MLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]],
-                                                   lane_bases=[[0, 0], [0, 0], [0, 4], [0, 8], [0, 16]],
-                                                   warp_bases=[], block_bases=[], shape=[1, 32])
-    MW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
-    meta = mring.index(st).reshape([4, 32])
-    if TB > 1:
-        BLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
-                                                       lane_bases=[[0, 8], [0, 16], [0, 0], [0, 0], [0, 0]],
-                                                       warp_bases=[], block_bases=[], shape=[1, 32])
-        BW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [0, 1])
-        m0 = gl.convert_layout(gl.reshape(meta.slice(0, 1).load(BLL), [4, 8]), BW, assert_trivial=True)
-        m1 = gl.convert_layout(gl.reshape(meta.slice(1, 1).load(BLL), [4, 8]), BW, assert_trivial=True)
+    if D == 64:
+        codes = cring.index(st).reshape([16, 32])
+        K64: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 4], [0, 8], [0, 16]],
+                                                       lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                                       warp_bases=[], block_bases=[], shape=[8, 32])
+        x = gl.reshape(gl.permute(gl.reshape(codes.slice(0, 8).load(K64), [8, 8, 4]), [1, 0, 2]), [64, 4])
+        kw0 = gl.convert_layout(x, KW, assert_trivial=True)
+        kw1 = kw0
+        V64: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
+                                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                                       warp_bases=[], block_bases=[], shape=[8, 32])
+        y = gl.permute(gl.reshape(codes.slice(8, 8).load(V64), [8, 4, 8]), [1, 0, 2])
+        vw0 = _tile_words(gl.convert_layout(y, VW, assert_trivial=True), VS)
+        vw1 = vw0
     else:
-        m0 = gl.convert_layout(gl.reshape(meta.slice(0, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
-        m1 = gl.convert_layout(gl.reshape(meta.slice(1, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
-    m2 = gl.convert_layout(gl.reshape(meta.slice(2, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
-    m3 = gl.convert_layout(gl.reshape(meta.slice(3, 1).load(MLL), [8, 4]), MW, assert_trivial=True)
-    return kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m0, m1, m2, m3
+        codes = cring.index(st).reshape([32, 32])
+        if GS:
+            KGS: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 4], [0, 8], [0, 16], [1, 0]],
+                                                           lane_bases=[[0, 1], [0, 2], [2, 0], [4, 0], [8, 0]],
+                                                           warp_bases=[], block_bases=[], shape=[16, 32])
+            x = codes.slice(0, 16).load(KGS)
+            x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 2, 4]), [1, 2, 0, 4, 3]), [64, 4, 2])
+        else:
+            KLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0]],
+                                                           lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
+                                                           warp_bases=[], block_bases=[], shape=[16, 32])
+            x = codes.slice(0, 16).load(KLL)
+            x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 4, 2]), [1, 2, 0, 3, 4]), [64, 4, 2])
+        kw0, kw1 = gl.split(x)
+        kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
+        kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
+        VLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+                                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                                       warp_bases=[], block_bases=[], shape=[16, 32])
+        y0, y1 = gl.split(gl.permute(gl.reshape(codes.slice(16, 16).load(VLL), [2, 8, 4, 8]), [2, 1, 3, 0]))
+        vw0 = _tile_words(gl.convert_layout(y0, VW, assert_trivial=True), VS)
+        vw1 = _tile_words(gl.convert_layout(y1, VW, assert_trivial=True), VS)
+    meta = mring.index(st).reshape([4, D // 4])
+    if TB > 1:
+        m0 = _ring_meta(meta, 0, D, True)
+        m1 = _ring_meta(meta, 1, D, True)
+    else:
+        m0 = _ring_meta(meta, 0, D, False)
+        m1 = _ring_meta(meta, 1, D, False)
+    return kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m0, m1, _ring_meta(meta, 2, D, False), _ring_meta(meta, 3, D, False)
+
+
+@gluon.jit
+def _ring_meta(meta, i: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
+    """Metadata array i of a stage (D/4 words a tile: one group of 64 channels a token, or a key block's D codes) as
+    _load_meta gives it (words [8, D/32]: row g the bytes of tokens 8g .. 8g + 7), or, BLOCK, as _load_block does
+    (words [4, D/16]: lane t of 4·g + t row t)."""
+    if D == 64:
+        if BLOCK:
+            L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]],
+                                                         lane_bases=[[0, 4], [0, 8], [0, 0], [0, 0], [0, 0]],
+                                                         warp_bases=[], block_bases=[], shape=[1, 16])
+        else:
+            L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1]],
+                                                         lane_bases=[[0, 0], [0, 0], [0, 2], [0, 4], [0, 8]],
+                                                         warp_bases=[], block_bases=[], shape=[1, 16])
+    else:
+        if BLOCK:
+            L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
+                                                         lane_bases=[[0, 8], [0, 16], [0, 0], [0, 0], [0, 0]],
+                                                         warp_bases=[], block_bases=[], shape=[1, 32])
+        else:
+            L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]],
+                                                         lane_bases=[[0, 0], [0, 0], [0, 4], [0, 8], [0, 16]],
+                                                         warp_bases=[], block_bases=[], shape=[1, 32])
+    if BLOCK:
+        W: gl.constexpr = gl.BlockedLayout([1, D // 16], [4, 8], [1, 1], [0, 1])
+        words = gl.reshape(meta.slice(i, 1).load(L), [4, D // 16])
+    else:
+        W: gl.constexpr = gl.BlockedLayout([1, D // 32], [8, 4], [1, 1], [1, 0])
+        words = gl.reshape(meta.slice(i, 1).load(L), [8, D // 32])
+    return gl.convert_layout(words, W, assert_trivial=True)
