@@ -1012,8 +1012,8 @@ def tma_descriptors(cache: Int2KVCache) -> tuple | None:
     own bytes (never a copy):
       codes [2, B·H_kv·T·D/512, 32] int32 words, the key codes then the value codes as rows of 512/D tokens, a tile
         [2, D/8, 32] with the 128-byte swizzle;
-      metadata [4, B·H_kv·T/64·R, C] words, the four arrays as rows of C = min(W, 32) words, a tile's W = D/4 words
-        (one group of 64 channels a token, or a 64-token key block's D codes) [4, R = W/C, C].
+      metadata [4, B·H_kv·T/64, D/4] words, the four arrays as rows of a tile's D/4 words (one group of 64 channels
+        a token, or a 64-token key block's D codes), a tile [4, 1, D/4].
     Head_dim 64 or 128, value groups of 64, value codes in tiles (tma_stages). A descriptor holds only an address,
     shape and strides, so they are built once (about 60 µs of host time) and kept beside the store's key codes for as
     long as those live (a weak key: a store that grows or is freed takes its descriptors with it)."""
@@ -1034,8 +1034,7 @@ def tma_descriptors(cache: Int2KVCache) -> tuple | None:
                 return TensorDescriptor.from_tensor(joint, block, gl.NVMMASharedLayout(swizzle, 32, 3))
 
             d = cache.key_codes.shape[-1] * 4
-            width = min(d // 4, 32)
-            descriptors = (boxes(codes, [2, d // 8, 32], 128), boxes(meta, [4, d // 4 // width, width], 0))
+            descriptors = (boxes(codes, [2, d // 8, 32], 128), boxes(meta, [4, 1, d // 4], 0))
         hit = (weakref.ref(cache.key_codes), key, descriptors)
         _TMA_DESCRIPTORS[id(cache.key_codes)] = hit
         weakref.finalize(cache.key_codes, _TMA_DESCRIPTORS.pop, id(cache.key_codes), None)
