@@ -33,17 +33,14 @@ from oscar_core import kvstore  # noqa: E402
 from oscar_core.triton import decode, decode_gluon  # noqa: E402
 
 TYPES = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8", vz_ptr="*u8",
-             len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
-             # decode.tma_descriptors' at head_dim 128 (read only where TMA > 0; descriptor_types at others)
-             cdesc=f"tensordesc<i32[2, 16, 32],{gl.NVMMASharedLayout(128, 32, 3)!r}>",
-             mdesc=f"tensordesc<i32[4, 1, 32],{gl.NVMMASharedLayout(0, 32, 3)!r}>")
+             len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32")
+SMEM_PER_SM = 228 * 1024    # H100
 
 
 def descriptor_types(d: int) -> dict:
-    """The signature types of decode.tma_descriptors' two descriptors at head_dim d."""
+    """The signature types of decode.tma_descriptors' two descriptors at head_dim d (read only where TMA > 0)."""
     return dict(cdesc=f"tensordesc<i32[2, {d // 8}, 32],{gl.NVMMASharedLayout(128, 32, 3)!r}>",
                 mdesc=f"tensordesc<i32[4, 1, {d // 4}],{gl.NVMMASharedLayout(0, 32, 3)!r}>")
-SMEM_PER_SM = 228 * 1024    # H100
 
 
 def constexprs(heads: int, kv_heads: int, d: int, gk: int, gv: int, axis: str, layout: str = "rows") -> dict:

@@ -6,10 +6,14 @@ programs short, and MHA and GQA 2.
     PYTHONPATH=. python3 bench/tma_ring_classes.py > bench/results/tma_ring_edge.txt
     PYTHONPATH=. python3 bench/tma_ring_classes.py 32,32,100000,8 32,32,32768,8 32,32,100000,4 16,8,100000,16 \\
         > bench/results/tma_ring_classes.txt
-    PYTHONPATH=. python3 bench/tma_ring_classes.py 32,8,100000,32,channel 32,8,100000,8,channel \
-        32,8,32768,32,channel 32,8,32768,8,channel 32,8,100000,1,channel 32,8,16384,16,channel 64,8,100000,8,channel \
-        40,8,100000,8,channel 28,4,100000,8,channel 64,8,32768,8,channel 64,8,100000,1,channel \
+    PYTHONPATH=. python3 bench/tma_ring_classes.py 32,8,100000,32,channel 32,8,100000,8,channel \\
+        32,8,32768,32,channel 32,8,32768,8,channel 32,8,100000,1,channel 32,8,16384,16,channel 64,8,100000,8,channel \\
+        40,8,100000,8,channel 28,4,100000,8,channel 64,8,32768,8,channel 64,8,100000,1,channel \\
         > bench/results/tma_ring_channel.txt
+    PYTHONPATH=. python3 bench/tma_ring_classes.py 64,8,100000,8 64,8,100000,32 64,8,32768,8 64,8,16384,8 \\
+        64,8,100000,1 40,8,100000,8 32,2,100000,8 32,2,100000,1 32,2,32768,8 > bench/results/tma_ring_gqa.txt
+    PYTHONPATH=. python3 bench/tma_ring_classes.py 9,3,100000,8,channel,64 14,2,100000,8,channel,64 \\
+        32,8,100000,8,token,64 9,3,16384,8,channel,64 32,8,100000,1,token,64 > bench/results/tma_ring_d64.txt
 Args: heads,kv_heads,context,batch[,axis[,head_dim]] ... (axis token or channel: keys per channel in blocks of 64;
 head_dim 128 unless given)
 """
