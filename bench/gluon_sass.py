@@ -40,7 +40,7 @@ SMEM_PER_SM = 228 * 1024    # H100
 def descriptor_types(d: int) -> dict:
     """The signature types of decode.tma_descriptors' two descriptors at head_dim d (read only where TMA > 0)."""
     return dict(cdesc=f"tensordesc<i32[2, {d // 8}, 32],{gl.NVMMASharedLayout(128, 32, 3)!r}>",
-                mdesc=f"tensordesc<i32[4, 1, {d // 4}],{gl.NVMMASharedLayout(0, 32, 3)!r}>")
+                mdesc=f"tensordesc<i32[4, {2 if d == 256 else 1}, {min(d // 4, 32)}],{gl.NVMMASharedLayout(0, 32, 3)!r}>")
 
 
 def constexprs(heads: int, kv_heads: int, d: int, gk: int, gv: int, axis: str, layout: str = "rows") -> dict:

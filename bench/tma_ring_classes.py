@@ -42,8 +42,8 @@ def main():
         rows = -(-args[1].key_codes.shape[2] // plan.n_int2)
         label = " ".join([f"{heads}/{kv}", *map(str, rest)])
         print(f"{label} {context} x {batch}: loads {best[0] * 1e3:.1f}  ring {best[2] * 1e3:.1f} µs  "
-              f"({best[2] / best[0]:.3f}); rows a program ~{rows}; rule TMA {plan.gluon_consts['TMA']}, flat "
-              f"{plan.gluon_consts['FLAT']}; equal {torch.equal(outs[0], outs[2])}", flush=True)
+              f"({best[2] / best[0]:.3f}); rows a program ~{rows}; rule TMA {plan.gluon_consts.get('TMA', '-')}, flat "
+              f"{plan.gluon_consts.get('FLAT', '-')}; equal {torch.equal(outs[0], outs[2])}", flush=True)
         del args, outs
 
 

@@ -40,10 +40,11 @@ const.setdefault("PF", decode.prefetch_tiles(const["D"], const["R4"], const["TB"
 if const["TMA"]:
     const.update(KEYS_AHEAD=False, PF=0)   # as decode._plan sets them with the ring
 const.setdefault("STRIDED", decode.strided_tiles(const["D"], const["R4"], const["TB"], const["VT"]))
+MR = 2 if const["D"] == 256 else 1      # the metadata box's rows (decode.tma_descriptors)
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
              cdesc=f"tensordesc<i32[2, {const['D'] // 8}, 32],NVMMASharedLayout(128, 32, 3)>",
-             mdesc=f"tensordesc<i32[4, 1, {const['D'] // 4}],NVMMASharedLayout(0, 32, 3)>")
+             mdesc=f"tensordesc<i32[4, {MR}, {const['D'] // 4 // MR}],NVMMASharedLayout(0, 32, 3)>")
 sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}
 attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*") or a == "T"}
 src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
@@ -109,6 +110,10 @@ SHAPES = [  # query heads per KV head, heads a program, ring stages, groups a to
     dict(HG=4, R4=4, STAGES=0, NGK=1, NGV=1, TB=1, D=64, VT=True, TMA=2),
     dict(HG=3, R4=4, STAGES=0, NGK=1, NGV=1, TB=64, D=64, VT=True, TMA=2),
     dict(HG=7, R4=8, STAGES=0, NGK=1, NGV=1, TB=64, D=64, VT=True, TMA=2),
+    # Head_dim 256: a tile's codes [2, 32, 32] words, its metadata [4, 2, 32]. Triton 3.6 keeps no stack with keys
+    # per token and 48 bytes with keys per channel; 3.9 24 and 96.
+    dict(HKV=1, HG=4, R4=4, STAGES=0, NGK=4, NGV=4, TB=1, D=256, VT=True, TMA=2, stack=24),
+    dict(HKV=1, HG=4, R4=4, STAGES=0, NGK=1, NGV=4, TB=64, D=256, VT=True, TMA=2, stack=96),
 ]
 
 

@@ -369,19 +369,20 @@ def test_gluon_programs_match_reference(d, heads, kv_heads, group, axis, lengths
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="the TMA ring needs a Hopper GPU")
-@pytest.mark.parametrize("heads,axis,d", [
-    (32, "token", 128), (64, "token", 128), (40, "token", 128), (128, "token", 128),
-    (32, "channel", 128), (64, "channel", 128), (40, "channel", 128),
-    (32, "token", 64), (24, "channel", 64), (56, "channel", 64)])
-def test_tma_ring_gives_the_loads_outputs(monkeypatch, heads, axis, d):
+@pytest.mark.parametrize("heads,kv_heads,axis,d", [
+    (32, 8, "token", 128), (64, 8, "token", 128), (40, 8, "token", 128), (128, 8, "token", 128),
+    (32, 8, "channel", 128), (64, 8, "channel", 128), (40, 8, "channel", 128),
+    (32, 8, "token", 64), (24, 8, "channel", 64), (56, 8, "channel", 64),
+    (4, 1, "token", 256), (16, 8, "token", 256), (4, 1, "channel", 256), (16, 8, "channel", 256)])
+def test_tma_ring_gives_the_loads_outputs(monkeypatch, heads, kv_heads, axis, d):
     """The Gluon programs reading through the TMA ring (decode.tma_stages) give the outputs of those loading into
     registers, bit for bit (the same products in the same order, the same grid), on a ragged batch of 128 pairs,
-    keys per token and per channel (4 and 8 heads a program), head_dim 128 and 64; both within 1e-2 of the
+    keys per token and per channel (4 and 8 heads a program), head_dim 64, 128 and 256; both within 1e-2 of the
     reference."""
     gen = torch.Generator().manual_seed(7)
     lengths = [1500, 400, 65, 2000, 1234, 777, 64, 1999] * 2
     make = build if axis == "token" else build_channel
-    cache, layer, q = make(gen, lengths, heads, 8, d, 64, 64, sink=16, recent=32)
+    cache, layer, q = make(gen, lengths, heads, kv_heads, d, 64, 64, sink=16, recent=32)
     on_device = to_device(cache)
     ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
                                              d ** -0.5)
@@ -564,13 +565,21 @@ def test_flat_splits_leave_the_tma_ring_its_batches(pairs, expect):
     (64, 8, 128, 64, "token", "tiles", 9, 64, 1_024, 2),      # 8 heads a program: from 768 rows a program
     (64, 8, 128, 64, "token", "tiles", 9, 8, 896, 2),
     (32, 2, 128, 64, "token", "tiles", 9, 2, 512, 0),
-    (16, 8, 256, 64, "token", "tiles", 9, 256, 12_480, 0),
+    (16, 8, 256, 64, "token", "tiles", 9, 64, 6_232, 2),      # head_dim 256, keys per token: Gemma 3 12B 100K x 8
+    (16, 8, 256, 64, "token", "tiles", 9, 64, 492, 2),        # 8K x 8: 64 pairs
+    (4, 1, 256, 64, "token", "tiles", 9, 32, 3_022, 2),       # Gemma 3 270M 100K x 32
+    (4, 1, 256, 64, "token", "tiles", 9, 8, 768, 0),          # 100K x 8: no faster
+    (4, 1, 256, 64, "channel", "tiles", 9, 8, 256, 2),        # keys per channel from 256 rows a program
+    (4, 1, 256, 64, "channel", "tiles", 9, 8, 128, 0),
+    (16, 8, 256, 64, "token", "rows", 9, 64, 6_232, 0),
+    (16, 8, 256, 128, "channel", "tiles", 9, 64, 6_232, 0),
 ])
 def test_tma_ring_only_where_measured(heads, kv_heads, d, group, axis, layout, major, pairs, rows, expect):
-    """The TMA ring (decode.tma_stages) at head_dim 64 and 128 with value groups of 64 and the value codes in tiles,
-    on compute capability 9 and later: with keys per channel in 64-token blocks at 4 and 8 heads a program everywhere;
-    with keys per token in groups of 64 at head_dim 128 for the 4-head programs from 128 pairs or 2,048 rows a program
-    and for the 8-head ones from 768 rows, at head_dim 64 for the 4-head programs everywhere; nowhere else."""
+    """The TMA ring (decode.tma_stages) with value groups of 64 and the value codes in tiles, on compute capability 9
+    and later: with keys per channel in 64-token blocks at 4 and 8 heads a program everywhere (at head_dim 256 from
+    256 rows a program); with keys per token in groups of 64 at head_dim 128 for the 4-head programs from 128 pairs or
+    2,048 rows a program and for the 8-head ones from 768 rows, at head_dim 64 for the 4-head programs everywhere, at
+    256 from 64 pairs or 2,048 rows; nowhere else."""
     cache = kvstore.empty_cache(1, kv_heads, d, 1024, group, group, key_axis=axis, value_layout=layout)
     assert decode.tma_stages(major, decode.gluon_constexprs(cache, heads, d, 6), pairs, rows) == expect
 
@@ -592,10 +601,11 @@ def test_tma_descriptors_are_kept_as_long_as_their_store():
 
 @pytest.mark.parametrize("move", [False, True])
 @pytest.mark.parametrize("axis", ["token", "channel"])
-@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("d", [128, 64, 256])
 def test_tma_descriptors_cover_the_store_arrays(move, axis, d):
     """The codes descriptor's boxes are the key codes then the value codes (rows of 32 words), the metadata one's the
-    key scales, key zeros, value scales and value zeros (rows of a tile's D/4 words), for a store of empty_cache and
+    key scales, key zeros, value scales and value zeros (rows of a tile's D/4 words; two rows of 32 at head_dim
+    256), for a store of empty_cache and
     its copy by kvstore.to_device, keys per token or per channel (a 64-token block's D bytes where a token's groups
     have D/64); a store whose arrays lie apart gets none (and so no ring)."""
     pytest.importorskip("triton.experimental.gluon")
@@ -607,7 +617,8 @@ def test_tma_descriptors_cover_the_store_arrays(move, axis, d):
     if move:
         cache = kvstore.to_device(cache, "cpu")
     codes, meta = decode.tma_descriptors(cache)
-    assert codes.block_shape == [2, d // 8, 32] and meta.block_shape == [4, 1, d // 4]
+    rows = 2 if d == 256 else 1
+    assert codes.block_shape == [2, d // 8, 32] and meta.block_shape == [4, rows, d // 4 // rows]
     for desc, arrays in ((codes, (cache.key_codes, cache.value_codes)),
                          (meta, (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero))):
         width = desc.block_shape[-1]

@@ -845,9 +845,9 @@ def flat_programs_a_pair(splits_a_wave: int, pairs: int) -> int:
 def tma_stages(major: int, constexprs: dict, pairs: int, rows: int) -> int:
     """Stages of the TMA ring through which the Gluon programs read their tiles (decode_gluon's TMA; 0: loads into
     registers). A program issues each tile's two bulk copies (TMA: compute capability 9 and later) two tiles ahead
-    and reads its operands from shared memory, so its loop waits on no global load. Only at head_dim 64 and 128 with
-    value groups of 64 and the value codes in tiles (not a window's store, not flat rows), and the outputs are those
-    of the loads, bit for bit. H100, graph, best of 3 interleaved, loads / ring, µs:
+    and reads its operands from shared memory, so its loop waits on no global load. Only with value groups of 64 and
+    the value codes in tiles (not a window's store, not flat rows), and the outputs are those of the loads, bit for
+    bit. H100, graph, best of 3 interleaved, loads / ring, µs:
     - keys per token, two groups a token, 4 heads a program (Qwen3-8B; kernel_notes.md v32, tma_ring.md): from 128
       (sequence, KV head) pairs, or where a program reads 2,048 rows (32 tiles) or more. 100K x 32 (12,480 rows a
       program) 760.8 / 728.8, ragged 676.9 / 612.5; 100K x 16 390.8 / 367.0; 32K x 32 282.2 / 262.9; 16K x 16
@@ -868,12 +868,22 @@ def tma_stages(major: int, constexprs: dict, pairs: int, rows: int) -> int:
       measured. SmolLM2 (9/3, keys per channel) 100K x 8 56.5 / 55.4, 16K x 8 (192 rows) 24.5 / 23.5; Qwen2.5-0.5B
       (14/2, 8 heads a program) 100K x 8 50.6 / 48.4; Llama-3.2-1B (32/8, keys per token) 100K x 8 116.3 / 112.3,
       100K x 1 31.5 / 31.1.
+    - head_dim 256 (tma_ring_d256.txt; Gemma 3 270M 4/1, Gemma 3 12B 16/8): keys per channel from 256 rows a program,
+      keys per token from 64 pairs or 2,048 rows. Keys per channel 4/1 100K x 8 (768 rows) 90.2 / 80.9, 32K x 8
+      (256) 51.1 / 49.3, 16K x 8 (128) 38.1 / 40.5, 100K x 1 (128) 36.1 / 40.6; 16/8 100K x 8 484.5 / 431.1, 16K x 8
+      117.6 / 106.4, 100K x 1 (768) 86.8 / 85.3. Keys per token 16/8 100K x 8 385.5 / 367.3, 32K x 8 (2,028) 156.6 /
+      152.9, 8K x 8 (64 pairs, 492 rows) 71.3 / 70.2; 4/1 100K x 32 (3,022) 206.5 / 204.1; but 4/1 100K x 8 (768)
+      75.9 / 76.9, 64K x 8 (510) 61.2 / 61.9, 32K x 8 44.2 / 48.7, 16K x 8 33.9 / 35.6.
     Three and four stages hold more shared memory, so fewer programs fit a multiprocessor, and lose (v31; with keys
     per channel, 12 programs a multiprocessor, 3 stages lose 0.2-4%, and the 4-head programs held to 128 registers
     for 16 a multiprocessor spill and lose 5-13%: v33)."""
     c = constexprs
-    if major < 9 or c["D"] not in (64, 128) or c["NGV"] * 64 != c["D"] or not c["VT"] or c["SLIDE"]:
+    if major < 9 or c["D"] not in (64, 128, 256) or c["NGV"] * 64 != c["D"] or not c["VT"] or c["SLIDE"]:
         return 0
+    if c["D"] == 256:
+        if c["TB"] == c["BLOCK_N"]:
+            return 2 if rows >= 256 else 0
+        return 2 if c["TB"] == 1 and c["NGK"] == 4 and (pairs >= 64 or rows >= 2048) else 0
     if c["TB"] == c["BLOCK_N"] and c["R4"] in (4, 8):
         return 2
     if c["TB"] > 1 or c["NGK"] * 64 != c["D"]:
@@ -1013,8 +1023,9 @@ def tma_descriptors(cache: Int2KVCache) -> tuple | None:
       codes [2, B·H_kv·T·D/512, 32] int32 words, the key codes then the value codes as rows of 512/D tokens, a tile
         [2, D/8, 32] with the 128-byte swizzle;
       metadata [4, B·H_kv·T/64, D/4] words, the four arrays as rows of a tile's D/4 words (one group of 64 channels
-        a token, or a 64-token key block's D codes), a tile [4, 1, D/4].
-    Head_dim 64 or 128, value groups of 64, value codes in tiles (tma_stages). A descriptor holds only an address,
+        a token, or a 64-token key block's D codes), a tile [4, 1, D/4]; at head_dim 256 rows of 32 words, a tile
+        [4, 2, 32].
+    Value groups of 64, value codes in tiles (tma_stages). A descriptor holds only an address,
     shape and strides, so they are built once (about 60 µs of host time) and kept beside the store's key codes for as
     long as those live (a weak key: a store that grows or is freed takes its descriptors with it)."""
     codes = (cache.key_codes, cache.value_codes)
@@ -1034,7 +1045,8 @@ def tma_descriptors(cache: Int2KVCache) -> tuple | None:
                 return TensorDescriptor.from_tensor(joint, block, gl.NVMMASharedLayout(swizzle, 32, 3))
 
             d = cache.key_codes.shape[-1] * 4
-            descriptors = (boxes(codes, [2, d // 8, 32], 128), boxes(meta, [4, 1, d // 4], 0))
+            rows = 2 if d == 256 else 1
+            descriptors = (boxes(codes, [2, d // 8, 32], 128), boxes(meta, [4, rows, d // 4 // rows], 0))
         hit = (weakref.ref(cache.key_codes), key, descriptors)
         _TMA_DESCRIPTORS[id(cache.key_codes)] = hit
         weakref.finalize(cache.key_codes, _TMA_DESCRIPTORS.pop, id(cache.key_codes), None)

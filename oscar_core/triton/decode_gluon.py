@@ -716,25 +716,27 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             async_copy.commit_group()
     if TMA > 0:
         # The TMA ring: stage j holds a tile's key and value codes ([2, D/8, 32] words: rows of 512/D tokens, 128-byte
-        # swizzle) and its four metadata arrays' D/4 words each ([4, 1, D/4]), two bulk copies of 36·D bytes in all
-        # on the stage's mbarrier.
-        gl.static_assert((D == 64) or (D == 128))
-        CSH: gl.constexpr = 3 if D == 64 else 2     # log2 of the tokens a codes row
+        # swizzle) and its four metadata arrays' D/4 words each ([4, 1, D/4]; [4, 2, 32] at 256), two bulk copies of
+        # 36·D bytes in all on the stage's mbarrier.
+        CSH: gl.constexpr = 3 if D == 64 else (2 if D == 128 else 1)     # log2 of the tokens a codes row
+        MR: gl.constexpr = 2 if D == 256 else 1     # metadata rows a tile and array (of at most 32 words)
         cring = gl.allocate_shared_memory(gl.int32, [TMA, 2, D // 8, 32], cdesc.layout)
-        mring = gl.allocate_shared_memory(gl.int32, [TMA, 4, 1, D // 4], mdesc.layout)
+        mring = gl.allocate_shared_memory(gl.int32, [TMA, 4, MR, D // 4 // MR], mdesc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [TMA, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(TMA):
             mbarrier.init(bars.index(j), count=1)
         # The pair's first codes row: T // 4 and T >> 3 are the forms measured (equal here, scheduled differently).
         if D == 128:
             crow = bh * (T // 4)
-        else:
+        elif D == 64:
             crow = bh * (T >> 3)
+        else:
+            crow = bh * (T >> 1)
         mrow = bh * (T // 64)
         for j in gl.static_range(TMA):
             tj = start + j * step
             if tj < end:
-                _issue_tma(cdesc, mdesc, cring, mring, bars, j, crow + (tj >> CSH), mrow + (tj >> 6), 36 * D)
+                _issue_tma(cdesc, mdesc, cring, mring, bars, j, crow + (tj >> CSH), (mrow + (tj >> 6)) * MR, 36 * D)
         # The stage and its mbarrier's phase, carried (a division by the step each tile cost 20 instructions).
         st = 0
         phase = 0
@@ -758,12 +760,16 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
         elif TMA > 0:
             mbarrier.wait(bars.index(st), phase)
             cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB, GS, D)
+            if TB > 1 and D == 256:
+                # The block's upper 128 scale and zero codes (rows 1 and 3 of the stage's metadata).
+                sc_hi = _ring_meta(mring.index(st).reshape([8, 32]), 1, 128, True)
+                z_hi = _ring_meta(mring.index(st).reshape([8, 32]), 3, 128, True)
             # Every lane's reads of stage st are done before the copy that refills it (generic, then async proxy).
             _barrier()
             fence_async_shared()
             tn = t0 + TMA * step
             if tn < end:
-                _issue_tma(cdesc, mdesc, cring, mring, bars, st, crow + (tn >> CSH), mrow + (tn >> 6), 36 * D)
+                _issue_tma(cdesc, mdesc, cring, mring, bars, st, crow + (tn >> CSH), (mrow + (tn >> 6)) * MR, 36 * D)
             wrap = (st == TMA - 1).to(gl.int32)
             st = (st + 1) * (1 - wrap)
             phase = phase ^ wrap
@@ -789,9 +795,11 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             sc0, sc1 = _block_codes(sc_next, gl.SliceLayout(1, b_op), DH, False)
             z0, z1 = _block_codes(z_next, gl.SliceLayout(1, b_op), DH, True)
             if D == 256:
-                sc2, sc3 = _block_codes(_load_block(ksc + (t0 // TB) * D + 128, DH), gl.SliceLayout(1, b_op), DH,
-                                        False)
-                z2, z3 = _block_codes(_load_block(kz + (t0 // TB) * D + 128, DH), gl.SliceLayout(1, b_op), DH, True)
+                if TMA == 0:
+                    sc_hi = _load_block(ksc + (t0 // TB) * D + 128, DH)
+                    z_hi = _load_block(kz + (t0 // TB) * D + 128, DH)
+                sc2, sc3 = _block_codes(sc_hi, gl.SliceLayout(1, b_op), DH, False)
+                z2, z3 = _block_codes(z_hi, gl.SliceLayout(1, b_op), DH, True)
             if CODES_AHEAD:
                 # The next tile's block codes (the last tile reloads a block in the store).
                 blk = (gl.minimum(t0 + step, T - BLOCK_N) // TB) * D
@@ -994,6 +1002,31 @@ def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.const
         y = gl.permute(gl.reshape(codes.slice(8, 8).load(V64), [8, 4, 8]), [1, 0, 2])
         vw0 = _tile_words(gl.convert_layout(y, VW, assert_trivial=True), VS)
         vw1 = vw0
+    elif D == 256:
+        codes = cring.index(st).reshape([64, 32])
+        # Token 8g + j (j = 4·j2 + 2·j1 + j0) at row 4g + 2·j2 + j1, words 16·j0 + 8h + 2t + e (h: the upper half).
+        K256: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0], [2, 0]],
+                                                        lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
+                                                        warp_bases=[], block_bases=[], shape=[32, 32])
+        x = gl.reshape(codes.slice(0, 32).load(K256), [8, 2, 2, 2, 2, 4, 2])
+        lo, hi = gl.split(gl.reshape(gl.permute(x, [1, 2, 3, 0, 5, 6, 4]), [64, 4, 2, 2]))
+        kw0, kw1 = gl.split(lo)
+        kw2, kw3 = gl.split(hi)
+        kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
+        kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
+        kw2 = gl.convert_layout(kw2, KW, assert_trivial=True)
+        kw3 = gl.convert_layout(kw3, KW, assert_trivial=True)
+        V256: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [16, 0]],
+                                                        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                                        warp_bases=[], block_bases=[], shape=[32, 32])
+        y = gl.permute(gl.reshape(codes.slice(32, 32).load(V256), [2, 2, 8, 4, 8]), [3, 2, 4, 0, 1])
+        ye, yo = gl.split(y)        # blocks 0 and 2, blocks 1 and 3
+        y0, y2 = gl.split(ye)
+        y1, y3 = gl.split(yo)
+        vw0 = _tile_words(gl.convert_layout(y0, VW, assert_trivial=True), VS)
+        vw1 = _tile_words(gl.convert_layout(y1, VW, assert_trivial=True), VS)
+        vw2 = _tile_words(gl.convert_layout(y2, VW, assert_trivial=True), VS)
+        vw3 = _tile_words(gl.convert_layout(y3, VW, assert_trivial=True), VS)
     else:
         codes = cring.index(st).reshape([32, 32])
         if GS:
@@ -1017,10 +1050,36 @@ def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.const
         y0, y1 = gl.split(gl.permute(gl.reshape(codes.slice(16, 16).load(VLL), [2, 8, 4, 8]), [2, 1, 3, 0]))
         vw0 = _tile_words(gl.convert_layout(y0, VW, assert_trivial=True), VS)
         vw1 = _tile_words(gl.convert_layout(y1, VW, assert_trivial=True), VS)
-    meta = mring.index(st).reshape([4, D // 4])
-    m0 = _ring_meta(meta, 0, D, TB > 1)
-    m1 = _ring_meta(meta, 1, D, TB > 1)
-    return kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m0, m1, _ring_meta(meta, 2, D, False), _ring_meta(meta, 3, D, False)
+    if D == 256:
+        meta = mring.index(st).reshape([8, 32])
+        if TB > 1:
+            # The block's lower 128 scale and zero codes (rows 0 and 2; the segment reads rows 1 and 3).
+            m0 = _ring_meta(meta, 0, 128, True)
+            m1 = _ring_meta(meta, 2, 128, True)
+        else:
+            m0 = _ring_meta4(meta, 0)
+            m1 = _ring_meta4(meta, 1)
+        m2 = _ring_meta4(meta, 2)
+        m3 = _ring_meta4(meta, 3)
+    else:
+        kw2, kw3, vw2, vw3 = kw0, kw1, vw0, vw1
+        meta = mring.index(st).reshape([4, D // 4])
+        m0 = _ring_meta(meta, 0, D, TB > 1)
+        m1 = _ring_meta(meta, 1, D, TB > 1)
+        m2 = _ring_meta(meta, 2, D, False)
+        m3 = _ring_meta(meta, 3, D, False)
+    return kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, m0, m1, m2, m3
+
+
+@gluon.jit
+def _ring_meta4(meta, i: gl.constexpr):
+    """Head_dim 256: metadata array i of a stage (rows 2i and 2i + 1 of 32 words: four groups a token) as _load_meta
+    gives it (words [8, 8], row g the bytes of tokens 8g .. 8g + 7)."""
+    L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
+                                                 lane_bases=[[0, 0], [0, 0], [0, 8], [0, 16], [1, 0]],
+                                                 warp_bases=[], block_bases=[], shape=[2, 32])
+    W: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
+    return gl.convert_layout(gl.reshape(meta.slice(2 * i, 2).load(L), [8, 8]), W, assert_trivial=True)
 
 
 @gluon.jit
