@@ -14,6 +14,11 @@ programs short, and MHA and GQA 2.
         64,8,100000,1 40,8,100000,8 32,2,100000,8 32,2,100000,1 32,2,32768,8 > bench/results/tma_ring_gqa.txt
     PYTHONPATH=. python3 bench/tma_ring_classes.py 9,3,100000,8,channel,64 14,2,100000,8,channel,64 \\
         32,8,100000,8,token,64 9,3,16384,8,channel,64 32,8,100000,1,token,64 > bench/results/tma_ring_d64.txt
+    PYTHONPATH=. python3 bench/tma_ring_classes.py 4,1,100000,8,token,256 4,1,100000,8,channel,256 \\
+        16,8,100000,8,token,256 16,8,100000,8,channel,256 4,1,16384,8,token,256 4,1,16384,8,channel,256 \\
+        4,1,100000,1,token,256 4,1,100000,1,channel,256 16,8,100000,1,channel,256 16,8,100000,1,token,256 \\
+        4,1,32768,8,channel,256 4,1,32768,8,token,256 4,1,100000,32,token,256 4,1,65536,8,token,256 \\
+        16,8,32768,8,token,256 16,8,16384,8,channel,256 16,8,8192,8,token,256 > bench/results/tma_ring_d256.txt
 Args: heads,kv_heads,context,batch[,axis[,head_dim]] ... (axis token or channel: keys per channel in blocks of 64;
 head_dim 128 unless given)
 """
