@@ -1025,9 +1025,9 @@ def tma_descriptors(cache: Int2KVCache) -> tuple | None:
       metadata [4, B·H_kv·T/64, D/4] words, the four arrays as rows of a tile's D/4 words (one group of 64 channels
         a token, or a 64-token key block's D codes), a tile [4, 1, D/4]; at head_dim 256 rows of 32 words, a tile
         [4, 2, 32].
-    Value groups of 64, value codes in tiles (tma_stages). A descriptor holds only an address,
-    shape and strides, so they are built once (about 60 µs of host time) and kept beside the store's key codes for as
-    long as those live (a weak key: a store that grows or is freed takes its descriptors with it)."""
+    Value groups of 64, value codes in tiles (tma_stages). A descriptor holds only an address, shape and strides, so
+    they are built once (about 60 µs of host time) and kept beside the store's key codes for as long as those live (a
+    weak key: a store that grows or is freed takes its descriptors with it)."""
     codes = (cache.key_codes, cache.value_codes)
     meta = (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero)
     key = tuple((a.data_ptr(), a.numel()) for a in codes + meta)
