@@ -39,8 +39,9 @@ SMEM_PER_SM = 228 * 1024    # H100
 
 def descriptor_types(d: int) -> dict:
     """The signature types of decode.tma_descriptors' two descriptors at head_dim d (read only where TMA > 0)."""
-    return dict(cdesc=f"tensordesc<i32[2, {d // 8}, 32],{gl.NVMMASharedLayout(128, 32, 3)!r}>",
-                mdesc=f"tensordesc<i32[4, {2 if d == 256 else 1}, {min(d // 4, 32)}],{gl.NVMMASharedLayout(0, 32, 3)!r}>")
+    code_box, meta_box = decode.tma_boxes(d)
+    return dict(cdesc=f"tensordesc<i32{code_box},{gl.NVMMASharedLayout(128, 32, 3)!r}>",
+                mdesc=f"tensordesc<i32{meta_box},{gl.NVMMASharedLayout(0, 32, 3)!r}>")
 
 
 def constexprs(heads: int, kv_heads: int, d: int, gk: int, gv: int, axis: str, layout: str = "rows") -> dict:

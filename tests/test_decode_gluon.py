@@ -40,11 +40,11 @@ const.setdefault("PF", decode.prefetch_tiles(const["D"], const["R4"], const["TB"
 if const["TMA"]:
     const.update(KEYS_AHEAD=False, PF=0)   # as decode._plan sets them with the ring
 const.setdefault("STRIDED", decode.strided_tiles(const["D"], const["R4"], const["TB"], const["VT"]))
-MR = 2 if const["D"] == 256 else 1      # the metadata box's rows (decode.tma_descriptors)
+code_box, meta_box = decode.tma_boxes(const["D"])
 types = dict(qt_ptr="*bf16", kw_ptr="*i32", ksc_ptr="*u8", kz_ptr="*u8", vh_ptr="*i16", vsc_ptr="*u8",
              vz_ptr="*u8", len_ptr="*i32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", log2_scale="fp32",
-             cdesc=f"tensordesc<i32[2, {const['D'] // 8}, 32],NVMMASharedLayout(128, 32, 3)>",
-             mdesc=f"tensordesc<i32[4, {MR}, {const['D'] // 4 // MR}],NVMMASharedLayout(0, 32, 3)>")
+             cdesc=f"tensordesc<i32{code_box},NVMMASharedLayout(128, 32, 3)>",
+             mdesc=f"tensordesc<i32{meta_box},NVMMASharedLayout(0, 32, 3)>")
 sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in const}
 attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*") or a == "T"}
 src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)

@@ -880,14 +880,14 @@ def tma_stages(major: int, constexprs: dict, pairs: int, rows: int) -> int:
     c = constexprs
     if major < 9 or c["D"] not in (64, 128, 256) or c["NGV"] * 64 != c["D"] or not c["VT"] or c["SLIDE"]:
         return 0
-    if c["D"] == 256:
-        if c["TB"] == c["BLOCK_N"]:
-            return 2 if rows >= 256 else 0
-        return 2 if c["TB"] == 1 and c["NGK"] == 4 and (pairs >= 64 or rows >= 2048) else 0
+    if c["TB"] == c["BLOCK_N"] and c["D"] == 256:
+        return 2 if rows >= 256 else 0
     if c["TB"] == c["BLOCK_N"] and c["R4"] in (4, 8):
         return 2
     if c["TB"] > 1 or c["NGK"] * 64 != c["D"]:
         return 0
+    if c["D"] == 256:
+        return 2 if pairs >= 64 or rows >= 2048 else 0
     if c["D"] == 64:
         return 2 if c["R4"] == 4 else 0
     if c["R4"] == 8:
@@ -1015,6 +1015,13 @@ def _one_after_another(arrays) -> bool:
                and a.data_ptr() == a0.data_ptr() + i * size for i, a in enumerate(arrays))
 
 
+def tma_boxes(head_dim: int) -> tuple[list, list]:
+    """The boxes (one tile) of tma_descriptors' two descriptors: codes [2, D/8, 32] words, metadata [4, 1, D/4]
+    words (at head_dim 256 [4, 2, 32]: rows of at most 32 words)."""
+    rows = 2 if head_dim == 256 else 1
+    return [2, head_dim // 8, 32], [4, rows, head_dim // 4 // rows]
+
+
 def tma_descriptors(cache: Int2KVCache) -> tuple | None:
     """The TMA descriptors of a store's INT2 arrays for decode_gluon's TMA ring, or None where the store does not lay
     them out as kvstore.empty_cache does (the value codes right after the key codes; the key scales, key zeros, value
@@ -1044,9 +1051,8 @@ def tma_descriptors(cache: Int2KVCache) -> tuple | None:
                 joint = words.as_strided((len(arrays), words.numel() // width, width), (words.numel(), width, 1))
                 return TensorDescriptor.from_tensor(joint, block, gl.NVMMASharedLayout(swizzle, 32, 3))
 
-            d = cache.key_codes.shape[-1] * 4
-            rows = 2 if d == 256 else 1
-            descriptors = (boxes(codes, [2, d // 8, 32], 128), boxes(meta, [4, rows, d // 4 // rows], 0))
+            code_box, meta_box = tma_boxes(cache.key_codes.shape[-1] * 4)
+            descriptors = (boxes(codes, code_box, 128), boxes(meta, meta_box, 0))
         hit = (weakref.ref(cache.key_codes), key, descriptors)
         _TMA_DESCRIPTORS[id(cache.key_codes)] = hit
         weakref.finalize(cache.key_codes, _TMA_DESCRIPTORS.pop, id(cache.key_codes), None)

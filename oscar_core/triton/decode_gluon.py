@@ -447,8 +447,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
     among the pair's programs; the last of them marks the pair's unused splits empty. Not with STRIDED or the
     ring.
     TMA > 0 (decode.tma_stages): the tiles come through a ring of TMA stages in shared memory, each tile's bulk copies
-    issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 64 or 128, value
-    groups of 64, VT, not FLAT, and keys per token in groups of 64 (at head_dim 128 R4 = 4, or 8 with GS) or per
+    issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 64, 128 or 256,
+    value groups of 64, VT, not FLAT, and keys per token in groups of 64 (at head_dim 128 R4 = 4, or 8 with GS) or per
     channel in blocks of a tile (TB = BLOCK_N, the block's codes with the tile's metadata) at R4 = 4 or 8. cdesc,
     mdesc: the store's two descriptors (decode.tma_descriptors), of the key and value codes together and of the four
     scale and zero arrays together; None without the ring."""
@@ -762,8 +762,9 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB, GS, D)
             if TB > 1 and D == 256:
                 # The block's upper 128 scale and zero codes (rows 1 and 3 of the stage's metadata).
-                sc_hi = _ring_meta(mring.index(st).reshape([8, 32]), 1, 128, True)
-                z_hi = _ring_meta(mring.index(st).reshape([8, 32]), 3, 128, True)
+                meta = mring.index(st).reshape([8, 32])
+                sc_hi = _ring_meta(meta, 1, 128, True)
+                z_hi = _ring_meta(meta, 3, 128, True)
             # Every lane's reads of stage st are done before the copy that refills it (generic, then async proxy).
             _barrier()
             fence_async_shared()
@@ -981,10 +982,11 @@ def _issue_tma(cdesc, mdesc, cring, mring, bars, st, crow, mrow, NBYTES: gl.cons
 @gluon.jit
 def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.constexpr, GS: gl.constexpr,
               D: gl.constexpr):
-    """_load_tile's registers (head_dim 64 or 128, value codes in tiles) from stage st of the TMA ring. Each load's
-    layout gives a lane exactly the words _load_tile's global loads give it, so the conversions after them are
+    """_load_tile's registers (head_dim 64, 128 or 256, value codes in tiles) from stage st of the TMA ring. Each
+    load's layout gives a lane exactly the words _load_tile's global loads give it, so the conversions after them are
     register-only. Keys, token 8g + j: at head_dim 128 descriptor row 2g + j div 4, words 8·(j mod 4) + 2t + e (GS:
-    t + 4e); at 64 row g, word 4j + t. Values: tile row 8B + a, words 8t .. 8t + 7. The 128-byte swizzle spreads
+    t + 4e); at 64 row g, word 4j + t; at 256 (j = 4·j2 + 2·j1 + j0) row 4g + 2·j2 + j1, words 16·j0 + 8h + 2t + e.
+    Values: tile row 8B + a, words 8t .. 8t + 7. The 128-byte swizzle spreads
     the key reads' 8 rows of a lane over the banks (two-way conflicts at most; rows in memory order without it:
     eight). The metadata: _ring_meta."""
     VW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1])
@@ -1004,7 +1006,7 @@ def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.const
         vw1 = vw0
     elif D == 256:
         codes = cring.index(st).reshape([64, 32])
-        # Token 8g + j (j = 4·j2 + 2·j1 + j0) at row 4g + 2·j2 + j1, words 16·j0 + 8h + 2t + e (h: the upper half).
+        # h: the upper half of a token's words.
         K256: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0], [2, 0]],
                                                         lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
                                                         warp_bases=[], block_bases=[], shape=[32, 32])
@@ -1057,10 +1059,10 @@ def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.const
             m0 = _ring_meta(meta, 0, 128, True)
             m1 = _ring_meta(meta, 2, 128, True)
         else:
-            m0 = _ring_meta4(meta, 0)
-            m1 = _ring_meta4(meta, 1)
-        m2 = _ring_meta4(meta, 2)
-        m3 = _ring_meta4(meta, 3)
+            m0 = _ring_meta(meta, 0, D, False)
+            m1 = _ring_meta(meta, 1, D, False)
+        m2 = _ring_meta(meta, 2, D, False)
+        m3 = _ring_meta(meta, 3, D, False)
     else:
         kw2, kw3, vw2, vw3 = kw0, kw1, vw0, vw1
         meta = mring.index(st).reshape([4, D // 4])
@@ -1072,22 +1074,17 @@ def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.const
 
 
 @gluon.jit
-def _ring_meta4(meta, i: gl.constexpr):
-    """Head_dim 256: metadata array i of a stage (rows 2i and 2i + 1 of 32 words: four groups a token) as _load_meta
-    gives it (words [8, 8], row g the bytes of tokens 8g .. 8g + 7)."""
-    L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
-                                                 lane_bases=[[0, 0], [0, 0], [0, 8], [0, 16], [1, 0]],
-                                                 warp_bases=[], block_bases=[], shape=[2, 32])
-    W: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
-    return gl.convert_layout(gl.reshape(meta.slice(2 * i, 2).load(L), [8, 8]), W, assert_trivial=True)
-
-
-@gluon.jit
 def _ring_meta(meta, i: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
-    """Metadata array i of a stage (D/4 words a tile: one group of 64 channels a token, or a key block's D codes) as
-    _load_meta gives it (words [8, D/32]: row g the bytes of tokens 8g .. 8g + 7), or, BLOCK, as _load_block does
-    (words [4, D/16]: lane t of 4·g + t row t)."""
-    if D == 64:
+    """Metadata array i of a stage (D/4 words a tile: one group of 64 channels a token, or a key block's D codes;
+    at head_dim 256 rows 2i and 2i + 1 of 32 words) as _load_meta gives it (words [8, D/32]: row g the bytes of
+    tokens 8g .. 8g + 7), or, BLOCK, as _load_block does (words [4, D/16]: lane t of 4·g + t row t; at head_dim
+    256 the segment reads a block's codes as two halves of D = 128, a row each)."""
+    if D == 256:
+        gl.static_assert(not BLOCK)
+        L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
+                                                     lane_bases=[[0, 0], [0, 0], [0, 8], [0, 16], [1, 0]],
+                                                     warp_bases=[], block_bases=[], shape=[2, 32])
+    elif D == 64:
         if BLOCK:
             L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]],
                                                          lane_bases=[[0, 4], [0, 8], [0, 0], [0, 0], [0, 0]],
@@ -1110,5 +1107,6 @@ def _ring_meta(meta, i: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
         words = gl.reshape(meta.slice(i, 1).load(L), [4, D // 16])
     else:
         W: gl.constexpr = gl.BlockedLayout([1, D // 32], [8, 4], [1, 1], [1, 0])
-        words = gl.reshape(meta.slice(i, 1).load(L), [8, D // 32])
+        R: gl.constexpr = 2 if D == 256 else 1      # the array's rows in the stage
+        words = gl.reshape(meta.slice(R * i, R).load(L), [8, D // 32])
     return gl.convert_layout(words, W, assert_trivial=True)
