@@ -681,6 +681,13 @@ def default_config(batch: int, kv_heads: int, head_dim: int = 128, gluon: bool =
                 min_chunk=0)
 
 
+# At most this many Gluon INT2 splits a (sequence, KV head): past it, at 1-3 pairs, the partials the reduce merges
+# cost more than the programs' share of a wave gains (H200, graph, min_chunk 128 / 256 / 512 rows, µs, splits a pair
+# in brackets; kernel_notes.md v35): Qwen2.5-0.5B (14/2, d 64) 100K x 1 35.4 (785) / 26.9 (396) / 24.3 (201), 32K x 1
+# 22.0 (260) / 20.5 (133) / 20.9; SmolLM2 (9/3) 100K x 1 23.8 (526) / 22.3 (396) / 22.9 (201). Below it the wave's
+# splits stay: Qwen3-8B's 228 at 100K x 1 44.4 µs, 200 47.0.
+MAX_GLUON_SPLITS = 256
+
 _COUNTERS: dict = {}
 _OLD_COUNTERS: list = []
 
@@ -1156,54 +1163,77 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
 
 
 GRAPHS_PER_STORE = 4     # each holds its own work buffers (a private memory pool)
+DIRECT_GRAPHS = 2        # graphs at the caller's own addresses, per graph kept on the store
 _STORE_FIELDS = ("key_sink", "value_sink", "key_recent", "value_recent", "key_codes", "key_scale", "key_zero",
                  "value_codes", "value_scale", "value_zero", "lengths")
 
 
+@dataclasses.dataclass
+class _Replays:
+    """The CUDA graphs of one setting of decode_attention over one store (_replayed)."""
+    graph: torch.cuda.CUDAGraph     # reads q_in, writes o
+    q_in: torch.Tensor
+    o: torch.Tensor
+    direct: dict = dataclasses.field(default_factory=dict)  # (q address, out address) -> graph reading, writing there
+    last: tuple | None = None       # the call before's (q address, out address)
+
+
 def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options: dict) -> torch.Tensor:
-    """decode_attention(q, ..., graph=False, **options) as one CUDA-graph replay: q copied into the graph's own
-    query, the graph replayed, its output copied out. Eager calls pay a copy, a replay and a copy instead of
-    three launches of 20-odd arguments (bench/results/eager_small.md). The graph is captured after the first
-    direct call with the same arguments and kept in cache.graphs, keyed by everything it reads by address (the
-    store's tensors, the rotations, the mean) and every launch setting, so it never outlives the tensors it
-    reads and a call that matches its key reads exactly the call's tensors; the GRAPHS_PER_STORE latest are
-    kept. Calls on one stream at a time."""
+    """decode_attention(q, ..., graph=False, **options) as one CUDA-graph replay. The graph is captured after the
+    first direct call with the same arguments and kept in cache.graphs, keyed by everything it reads by address (the
+    store's tensors, the rotations, the mean) and every launch setting, so it never outlives the tensors it reads
+    and a call that matches its key reads exactly the call's tensors; the GRAPHS_PER_STORE latest are kept.
+    A call copies q into the graph's own query, replays it and copies its output out, unless its q and out are
+    where the call before had them (a caller with fixed buffers, or an allocator handing the same blocks back):
+    then a graph reading that q and writing that out is captured, and calls at those addresses replay it alone.
+    A copy costs about as much host time as the replay (H200: 7-11 µs each, bench/results/eager_small.md).
+    Calls on one stream at a time."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     mean_ptr = None if value_mean is None else value_mean.data_ptr()
     rv_ptr = None if value_rotation is None else value_rotation.data_ptr()
-    key = (tuple(q.shape), q.dtype, q.device, None if out is None else out.dtype, key_rotation.data_ptr(),
-           rv_ptr, mean_ptr, scaling, tuple(options.values()),
-           tuple(getattr(cache, f).data_ptr() for f in _STORE_FIELDS))
+    key = (tuple(q.shape), q.dtype, q.device, out.dtype, key_rotation.data_ptr(), rv_ptr, mean_ptr, scaling,
+           tuple(options.values()), tuple(getattr(cache, f).data_ptr() for f in _STORE_FIELDS))
+    where = (q.data_ptr(), out.data_ptr()) if q.is_contiguous() else None
     hit = cache.graphs.get(key)
     if hit is None:
-        result = decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False,
-                                  **options)
+        decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False, **options)
         while len(cache.graphs) >= GRAPHS_PER_STORE:    # the oldest goes (a context that grew past its bucket)
             cache.graphs.pop(next(iter(cache.graphs)))
-        cache.graphs[key] = _capture(q, cache, key_rotation, value_rotation, value_mean, scaling,
-                                     q.dtype if out is None else out.dtype, options)
-        return result
-    graph, q_in, o = hit
-    q_in.copy_(q)
-    graph.replay()
-    if out is None:
-        return o.clone()
-    return out.copy_(o)
+        q_in, o = q.clone(memory_format=torch.contiguous_format), torch.empty_like(out)
+        graph = _capture(q_in, o, cache, key_rotation, value_rotation, value_mean, scaling, options)
+        cache.graphs[key] = _Replays(graph, q_in, o, last=where)
+        return out
+    direct = hit.direct.get(where)
+    if direct is not None:
+        direct.replay()
+        return out
+    hit.q_in.copy_(q)
+    hit.graph.replay()
+    out.copy_(hit.o)
+    if where is not None and where == hit.last:
+        while len(hit.direct) >= DIRECT_GRAPHS:
+            hit.direct.pop(next(iter(hit.direct)))
+        hit.direct[where] = _capture(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options,
+                                     pool=hit.graph.pool())
+    hit.last = where
+    return out
 
 
-def _capture(q, cache, key_rotation, value_rotation, value_mean, scaling, out_dtype, options: dict) -> tuple:
-    """(graph, its query, its output) of one decode_attention call, captured on a side stream."""
-    q_in = q.clone(memory_format=torch.contiguous_format)
-    o = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+def _capture(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options: dict,
+             pool=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of decode_attention(q, ..., out=out, graph=False, **options), captured on a side stream. pool: the
+    memory pool of a graph it shares its work buffers with (never replayed at the same time)."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(q.device)
     stream.wait_stream(torch.cuda.current_stream(q.device))
     with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        decode_attention(q_in, cache, key_rotation, value_rotation, value_mean, scaling, out=o, graph=False,
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False,
                          **options)
         graph.capture_end()
     torch.cuda.current_stream(q.device).wait_stream(stream)
-    return graph, q_in, o
+    return graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1309,6 +1339,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         window_warps = num_warps
     consts = {}
     if gluon:
+        cfg["min_chunk"] = max(cfg["min_chunk"], -(-max_int2 // MAX_GLUON_SPLITS))
         consts = dict(gluon_constexprs(cache, heads, d, nw, heads_per_program), PDL=pdl)
         slots = _gluon_programs_per_sm(cache, consts, q.device)
         cfg["waves"] = gluon_waves(pairs, max_int2, d, slots, consts["HT"], _num_sms(q.device),
