@@ -1,0 +1,111 @@
+"""How many splits the Gluon INT2 programs cut a (sequence, KV head) into at batch 1-8: graph replays, interleaved
+arms, every sequence at the full context, on shapes.py's random stores.
+
+    PYTHONPATH=. python3 bench/splits.py min-chunk > bench/results/min_chunk_h200.txt
+    PYTHONPATH=. python3 bench/splits.py cap > bench/results/max_gluon_splits.txt
+
+min-chunk: the fewest rows a program reads (default_config's min_chunk) at 128 (the default), 256, 512 and 1024,
+best of 2, the splits a pair in brackets, and the largest difference of an arm's output from the 128 arm's.
+cap: decode.MAX_GLUON_SPLITS off against 256, best of 3, each arm's error against the float32 reference.
+"""
+import sys
+
+import torch
+
+sys.path.insert(0, "bench")
+import shapes  # noqa: E402
+from kernel import graph_bench  # noqa: E402
+
+from oscar_core import kvstore  # noqa: E402
+from oscar_core.triton import decode  # noqa: E402
+
+MIN_CHUNK_CLASSES = ["GQA 16 32/2 d128", "Qwen2.5-0.5B 14/2 d64, keys per channel",
+                     "Qwen2.5-7B 28/4 d128 (GQA 7), keys per channel", "Qwen3-32B 64/8 d128 (GQA 8)",
+                     "SmolLM2-135M 9/3 d64, keys per channel", "Llama-3.2-1B 32/8 d64", "Qwen3-8B 32/8 d128",
+                     "Gemma-3-270M 4/1 d256", "Qwen2.5-14B 40/8 d128 (GQA 5)"]
+MIN_CHUNK_POINTS = [(16384, 1), (32768, 1), (100_000, 1), (16384, 8), (100_000, 8)]
+MIN_CHUNKS = [128, 256, 512, 1024]
+CAP_POINTS = [("Qwen2.5-0.5B 14/2 d64, keys per channel", 100_000, 1),
+              ("Qwen2.5-0.5B 14/2 d64, keys per channel", 32768, 1),
+              ("Qwen2.5-0.5B 14/2 d64, keys per channel", 200_000, 1),
+              ("SmolLM2-135M 9/3 d64, keys per channel", 100_000, 1),
+              ("SmolLM2-135M 9/3 d64, keys per channel", 32768, 1), ("GQA 16 32/2 d128", 200_000, 1),
+              ("Qwen3-8B 32/8 d128", 100_000, 1), ("Qwen3-8B 32/8 d128", 200_000, 1),
+              ("Llama-3.2-1B 32/8 d64", 100_000, 1)]
+NO_CAP = 10 ** 9
+
+
+def problem(label, context, bsz, gen):
+    """(a decode call of no arguments writing out, q, its store, its layer) for a shape class at context x bsz."""
+    _, heads, kv, d, gk, gv, axis = next(s for s in shapes.SHAPES if s[0] == label)
+    layer = shapes.layer_of(kv, d, gen)
+    cache = shapes.random_store(bsz, kv, d, context, gk, gv, axis, gen)
+    q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+
+    def call():
+        return decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
+                                       d ** -0.5, max_length=context, out=out, graph=False)
+    return call, q, out, cache, layer
+
+
+def with_min_chunk(min_chunk):
+    """default_config with the Gluon programs' min_chunk replaced."""
+    def config(*args, **kwargs):
+        cfg = BASE_CONFIG(*args, **kwargs)
+        return dict(cfg, min_chunk=min_chunk) if cfg.get("min_chunk") == 128 else cfg
+    return config
+
+
+BASE_CONFIG = decode.default_config
+
+
+def min_chunk(gen):
+    for label in MIN_CHUNK_CLASSES:
+        for context, bsz in MIN_CHUNK_POINTS:
+            call, q, out, cache, _ = problem(label, context, bsz, gen)
+            best, outs, splits = {}, {}, {}
+            for _ in range(2):
+                for chunk in MIN_CHUNKS:
+                    decode.default_config = with_min_chunk(chunk)
+                    decode._PLANS.clear()
+                    call()
+                    outs[chunk] = out.float().clone()
+                    splits[chunk] = decode.launch_plan(q, cache, max_length=context).ns
+                    best[chunk] = min(best.get(chunk, 9), graph_bench(call))
+            decode.default_config = BASE_CONFIG
+            decode._PLANS.clear()
+            diff = max(((outs[c] - outs[128]).norm(dim=-1) / outs[128].norm(dim=-1)).max().item() for c in MIN_CHUNKS)
+            print(f"{label} {context} x {bsz}: "
+                  + "  ".join(f"{c}: {best[c] * 1e3:.1f} ({splits[c]})" for c in MIN_CHUNKS)
+                  + f"  | max diff {diff:.1e}", flush=True)
+            del call, cache
+            torch.cuda.empty_cache()
+
+
+def cap(gen):
+    for label, context, bsz in CAP_POINTS:
+        call, q, out, cache, layer = problem(label, context, bsz, gen)
+        d = q.shape[-1]
+        ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
+                                                 layer.value_mean, d ** -0.5)
+        best, splits, errs = {}, {}, {}
+        for _ in range(3):
+            for limit in (NO_CAP, 256):
+                decode.MAX_GLUON_SPLITS = limit
+                decode._PLANS.clear()
+                call()
+                errs[limit] = shapes.rel_err(out, ref)
+                splits[limit] = decode.launch_plan(q, cache, max_length=context).ns
+                best[limit] = min(best.get(limit, 9), graph_bench(call))
+        decode.MAX_GLUON_SPLITS = 256
+        decode._PLANS.clear()
+        print(f"{label} {context} x {bsz}: no cap {best[NO_CAP] * 1e3:.1f} µs ({splits[NO_CAP]} splits, err "
+              f"{errs[NO_CAP]:.1e})  256: {best[256] * 1e3:.1f} µs ({splits[256]}, err {errs[256]:.1e})  "
+              f"{best[256] / best[NO_CAP]:.3f}", flush=True)
+        del call, cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    {"min-chunk": min_chunk, "cap": cap}[sys.argv[1]](torch.Generator("cuda").manual_seed(0))
