@@ -1186,7 +1186,7 @@ def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, 
     A call copies q into the graph's own query, replays it and copies its output out, unless its q and out are
     where the call before had them (a caller with fixed buffers, or an allocator handing the same blocks back):
     then a graph reading that q and writing that out is captured, and calls at those addresses replay it alone.
-    A copy costs about as much host time as the replay (H200: 7-11 µs each, bench/results/eager_small.md).
+    A copy costs more host time than the replay (H200: 7-11 µs each against 3-6, bench/results/eager_parts_h200.txt).
     Calls on one stream at a time."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
