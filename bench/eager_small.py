@@ -27,10 +27,10 @@ from shapes import SHAPES, eager_ms, graph_bench, layer_of, random_store, rel_er
 from oscar_core import kvstore  # noqa: E402
 from oscar_core.triton import decode  # noqa: E402
 
-CLASSES = ["Qwen3-8B 32/8 d128", "Qwen3-8B 32/8 d128, keys per channel", "Qwen2.5-7B 28/4 d128 (GQA 7), keys per channel",
-           "Qwen3-32B 64/8 d128 (GQA 8)", "GQA 16 32/2 d128", "Llama-3.2-1B 32/8 d64",
-           "Qwen2.5-0.5B 14/2 d64, keys per channel", "SmolLM2-135M 9/3 d64, keys per channel", "Gemma-3-12B 16/8 d256",
-           "Gemma-3-270M 4/1 d256"]
+CLASSES = ["Qwen3-8B 32/8 d128", "Qwen3-8B 32/8 d128, keys per channel",
+           "Qwen2.5-7B 28/4 d128 (GQA 7), keys per channel", "Qwen3-32B 64/8 d128 (GQA 8)", "GQA 16 32/2 d128",
+           "Llama-3.2-1B 32/8 d64", "Qwen2.5-0.5B 14/2 d64, keys per channel", "SmolLM2-135M 9/3 d64, keys per channel",
+           "Gemma-3-12B 16/8 d256", "Gemma-3-270M 4/1 d256"]
 CONTEXTS = [8192, 16384, 100_000]
 
 
