@@ -1194,7 +1194,7 @@ def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, 
     rv_ptr = None if value_rotation is None else value_rotation.data_ptr()
     key = (tuple(q.shape), q.dtype, q.device, out.dtype, key_rotation.data_ptr(), rv_ptr, mean_ptr, scaling,
            tuple(options.values()), tuple(getattr(cache, f).data_ptr() for f in _STORE_FIELDS))
-    where = (q.data_ptr(), out.data_ptr()) if q.is_contiguous() else None
+    where = (q.data_ptr(), out.data_ptr()) if q.is_contiguous() and out.is_contiguous() else None
     hit = cache.graphs.get(key)
     if hit is None:
         decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False, **options)
