@@ -7,7 +7,7 @@ graph, the replay, the copy of the output out (or a clone, for out=None).
 
 Arms: sdpa (bf16 SDPA), call (decode_attention with out), call_noout (without), direct (graph=False: the launches),
 copy_in, replay, copy_out, clone, three (copy in, replay, copy out with no Python key), capturing
-(torch.cuda.is_current_stream_capturing), key (the graph's key and its lookup).
+(torch.cuda.is_current_stream_capturing), key (decode.graph_key and the lookup).
 Run before the graphs at the caller's addresses (session 37's first call), so 'call' is the copying path there; with
 them, 'call' replays a graph of its own after two calls (bench/eager_small.py times both).
 """
@@ -56,10 +56,7 @@ def main():
                 options = dict(max_length=decode._pow2(context), block_n=None, block_w=64, num_warps=None,
                                num_stages=None, waves=None, use_asm=None, key_t=None, fused=False, gluon=None,
                                heads_per_program=None, pdl=None, flat=None)
-                key = (tuple(q.shape), q.dtype, q.device, out.dtype, layer.key_rotation.data_ptr(),
-                       layer.value_rotation.data_ptr(), layer.value_mean.data_ptr(), d ** -0.5,
-                       tuple(options.values()), tuple(getattr(cache, f).data_ptr() for f in decode._STORE_FIELDS))
-                return cache.graphs.get(key)
+                return cache.graphs.get(decode.graph_key(q, out, *args[1:], options))
 
             rows = dict(sdpa=wall(sdpa), call=wall(lambda: decode.decode_attention(*args, max_length=context, out=out)),
                         call_noout=wall(lambda: decode.decode_attention(*args, max_length=context)),

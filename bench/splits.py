@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, "bench")
 import shapes  # noqa: E402
 from kernel import graph_bench  # noqa: E402
+from tma_ring import call_args  # noqa: E402
 
 from oscar_core import kvstore  # noqa: E402
 from oscar_core.triton import decode  # noqa: E402
@@ -36,17 +37,15 @@ NO_CAP = 10 ** 9
 
 
 def problem(label, context, bsz, gen):
-    """(a decode call of no arguments writing out, q, its store, its layer) for a shape class at context x bsz."""
-    _, heads, kv, d, gk, gv, axis = next(s for s in shapes.SHAPES if s[0] == label)
-    layer = shapes.layer_of(kv, d, gen)
-    cache = shapes.random_store(bsz, kv, d, context, gk, gv, axis, gen)
-    q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
-    out = torch.empty_like(q)
+    """(a decode call of no arguments writing out, out, decode_attention's leading arguments) for a shape class at
+    context x bsz (its groups are 64: tma_ring.call_args)."""
+    _, heads, kv, d, _, _, axis = next(s for s in shapes.SHAPES if s[0] == label)
+    args = call_args(heads, kv, context, bsz, gen, False, axis, d)
+    out = torch.empty_like(args[0])
 
     def call():
-        return decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
-                                       d ** -0.5, max_length=context, out=out, graph=False)
-    return call, q, out, cache, layer
+        return decode.decode_attention(*args, max_length=context, out=out, graph=False)
+    return call, out, args
 
 
 def with_min_chunk(min_chunk):
@@ -63,7 +62,8 @@ BASE_CONFIG = decode.default_config
 def min_chunk(gen):
     for label in MIN_CHUNK_CLASSES:
         for context, bsz in MIN_CHUNK_POINTS:
-            call, q, out, cache, _ = problem(label, context, bsz, gen)
+            call, out, args = problem(label, context, bsz, gen)
+            q, cache = args[:2]
             best, outs, splits = {}, {}, {}
             for _ in range(2):
                 for chunk in MIN_CHUNKS:
@@ -79,16 +79,15 @@ def min_chunk(gen):
             print(f"{label} {context} x {bsz}: "
                   + "  ".join(f"{c}: {best[c] * 1e3:.1f} ({splits[c]})" for c in MIN_CHUNKS)
                   + f"  | max diff {diff:.1e}", flush=True)
-            del call, cache
+            del call, args, cache
             torch.cuda.empty_cache()
 
 
 def cap(gen):
     for label, context, bsz in CAP_POINTS:
-        call, q, out, cache, layer = problem(label, context, bsz, gen)
-        d = q.shape[-1]
-        ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
-                                                 layer.value_mean, d ** -0.5)
+        call, out, args = problem(label, context, bsz, gen)
+        q, cache = args[:2]
+        ref = kvstore.decode_attention_reference(*args)
         best, splits, errs = {}, {}, {}
         for _ in range(3):
             for limit in (NO_CAP, 256):
@@ -103,7 +102,7 @@ def cap(gen):
         print(f"{label} {context} x {bsz}: no cap {best[NO_CAP] * 1e3:.1f} µs ({splits[NO_CAP]} splits, err "
               f"{errs[NO_CAP]:.1e})  256: {best[256] * 1e3:.1f} µs ({splits[256]}, err {errs[256]:.1e})  "
               f"{best[256] / best[NO_CAP]:.3f}", flush=True)
-        del call, cache
+        del call, args, cache
         torch.cuda.empty_cache()
 
 

@@ -1178,11 +1178,19 @@ class _Replays:
     last: tuple | None = None       # the call before's (q address, out address)
 
 
+def graph_key(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options: dict) -> tuple:
+    """What a graph of a decode_attention call over cache depends on: everything it reads by address (the store's
+    tensors, the rotations, the mean), q's and out's shape and dtypes, and every launch setting (options)."""
+    mean_ptr = None if value_mean is None else value_mean.data_ptr()
+    rv_ptr = None if value_rotation is None else value_rotation.data_ptr()
+    return (tuple(q.shape), q.dtype, q.device, out.dtype, key_rotation.data_ptr(), rv_ptr, mean_ptr, scaling,
+            tuple(options.values()), tuple(getattr(cache, f).data_ptr() for f in _STORE_FIELDS))
+
+
 def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options: dict) -> torch.Tensor:
     """decode_attention(q, ..., graph=False, **options) as one CUDA-graph replay. The graph is captured after the
-    first direct call with the same arguments and kept in cache.graphs, keyed by everything it reads by address (the
-    store's tensors, the rotations, the mean) and every launch setting, so it never outlives the tensors it reads
-    and a call that matches its key reads exactly the call's tensors; the GRAPHS_PER_STORE latest are kept.
+    first direct call with the same arguments and kept in cache.graphs under graph_key, so it never outlives the
+    tensors it reads and a call that matches its key reads exactly the call's tensors; the GRAPHS_PER_STORE latest are kept.
     A call copies q into the graph's own query, replays it and copies its output out, unless its q and out are
     where the call before had them (a caller with fixed buffers, or an allocator handing the same blocks back):
     then a graph reading that q and writing that out is captured, and calls at those addresses replay it alone.
@@ -1190,10 +1198,7 @@ def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, 
     Calls on one stream at a time."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    mean_ptr = None if value_mean is None else value_mean.data_ptr()
-    rv_ptr = None if value_rotation is None else value_rotation.data_ptr()
-    key = (tuple(q.shape), q.dtype, q.device, out.dtype, key_rotation.data_ptr(), rv_ptr, mean_ptr, scaling,
-           tuple(options.values()), tuple(getattr(cache, f).data_ptr() for f in _STORE_FIELDS))
+    key = graph_key(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options)
     where = (q.data_ptr(), out.data_ptr()) if q.is_contiguous() and out.is_contiguous() else None
     hit = cache.graphs.get(key)
     if hit is None:
