@@ -540,27 +540,30 @@ def _factor_tile(ptr, a_off, b_off, WIDE: tl.constexpr):
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
                    HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
                    SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr, PDL: tl.constexpr,
-                   GATED: tl.constexpr, ROTATE: tl.constexpr):
-    """Program (bh, j), for the columns c of block j ([j·BLOCK_C, (j + 1)·BLOCK_C)):
+                   GATED: tl.constexpr, ROTATE: tl.constexpr, HB: tl.constexpr = 0):
+    """Program (bh, j, k), for the columns c of block j ([j·BLOCK_C, (j + 1)·BLOCK_C)) and the query heads r of
+    block k ([k·HB, (k + 1)·HB); HB = 0: all HGP in one block):
       õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s   (SB splits a step, running max; splits
                                                                  with l_s = 0 are empty and left unread)
       y_j[r, :] = Σ_{c in block j} õ[r, c]·R_V[:, c]            (its share of õ·R_V^T, float32, to py)
-    and the last of the D / BLOCK_C programs of bh (an atomic counter, which it resets) writes
-    o = Σ_j y_j + μ_V, the partials summed in a fixed order. Every partial is read once, and no program
+    and the last of the D / BLOCK_C programs of (bh, k) (an atomic counter, which it resets) writes
+    o[r] = Σ_j y_j[r] + μ_V, the partials summed in a fixed order. Every partial is read once, and no program
     waits on a serial chain of products. Without ROTATE (R_V in the model's weights) it writes o[r, c] = õ[r, c]
     (+ μ_V[c]) itself: no shares, no counter. PDL: launched as a programmatic dependent of the split programs,
     it loads its R_V columns before gdc_wait and the partials after. GATED: _merged's."""
+    RB: tl.constexpr = HB if HB > 0 else HGP
     bh = tl.program_id(0)
     j = tl.program_id(1)
+    k = tl.program_id(2)
     c0 = j * BLOCK_C
     h = bh % HKV
-    r = tl.arange(0, HGP)
+    r = k * RB + tl.arange(0, RB)
     rmask = r < HG
     c = c0 + tl.arange(0, BLOCK_C)
     e = tl.arange(0, D)
     base = bh * NS * HG
     if ROTATE:
-        rvt = _factor_tile(rv_ptr + h * D * D, c, e * D, HGP >= 16)        # R_V[e, c] as [1, c, e]
+        rvt = _factor_tile(rv_ptr + h * D * D, c, e * D, RB >= 16)        # R_V[e, c] as [1, c, e]
         if PDL:
             gdc_wait()
         o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
@@ -569,16 +572,17 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
         tl.store(ys + j * HGP * D, y)
         # Every thread's share is stored before the counter moves (barrier, then a release at GPU scope).
         tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
+        cnt = cnt_ptr + bh * (HGP // RB) + k
+        done = tl.atomic_add(cnt, 1, sem="acq_rel")
         if done == D // BLOCK_C - 1:
-            total = tl.zeros([HGP, D], tl.float32)
+            total = tl.zeros([RB, D], tl.float32)
             for i in range(D // BLOCK_C):
                 total += tl.load(ys + i * HGP * D, cache_modifier=".cg")
             if HAS_MEAN:
                 total += tl.load(mean_ptr + h * D + e)[None, :]
             tl.store(out_ptr + (bh * HG + r)[:, None] * D + e[None, :], total.to(out_ptr.dtype.element_ty),
                      mask=rmask[:, None])
-            tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed")
+            tl.atomic_xchg(cnt, 0, sem="relaxed")
     else:
         if PDL:
             gdc_wait()
@@ -652,6 +656,20 @@ def plan_splits(batch: int, kv_heads: int, max_int2: int, block_n: int, num_sms:
     chunk = max(block_n, min_chunk, -(-max(max_int2, 1) // want))
     chunk = -(-chunk // block_n) * block_n
     return chunk, -(-max_int2 // chunk)
+
+
+def reduce_heads(heads_per_kv: int, programs: int) -> int:
+    """Query heads a reduce program merges: the fewest (from 2) that keep the reduce within 512 programs, where
+    `programs` is its grid with all of a KV head's heads in each (pairs x column blocks). One program for all 16
+    heads of GQA 16 at batch 1 took 9.5-15 µs, serial steps over the splits' partials of 16 heads at a time; 4 or
+    2 heads a program 4.4-5.5 (H200, reduce alone, 8K-100K x 1, bench/reduce_heads.py, reduce_heads_h200.txt).
+    Past 512 programs more of them lose: Qwen3-8B 100K x 8 7.0 µs at 512 programs, 9.5 at 1,024; GQA 8 100K x 8
+    9.0 at 512, 10.8 at 1,024."""
+    hgp = _pow2(heads_per_kv)
+    hb = min(2, hgp)
+    while hb < hgp and programs * (hgp // hb) > 512:
+        hb *= 2
+    return hb
 
 
 def default_config(batch: int, kv_heads: int, head_dim: int = 128, gluon: bool = False) -> dict:
@@ -1136,7 +1154,7 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     else:
         rv = value_rotation.float().contiguous()
     mean = value_mean.float().contiguous() if has_mean else rv
-    counters = _counters(q.device, bsz * kv_heads)
+    counters = _counters(q.device, bsz * kv_heads * plan.reduce_grid[2])
     scale_log2 = scaling * LOG2E
     # Captured into a CUDA graph, the window programs run on a stream of their own beside the Gluon INT2
     # programs (two branches of the graph); eager calls keep one stream (their time is the host's).
@@ -1392,6 +1410,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
     # Beyond 64 splits the partials are loaded beside their l_s (H100, graph, 100K x 8: Qwen2.5-0.5B's 136 splits
     # 0.0580 -> 0.0566 ms; at 38 splits, Qwen3-8B, 0.1-1.2% slower; kernel_notes.md v20).
     gated = _pow2(ns) <= 64
+    hb = reduce_heads(hg, pairs * (d // block_c))
     # The reduce's shares of õ·R_V^T.
     shares = 0 if fused or not rotate_values else pairs * (d // block_c) * _pow2(hg) * d
     launch = dict(launch_pdl=True) if pdl else {}
@@ -1408,8 +1427,7 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
                           num_stages=num_stages, **window_launch),
         gluon_grid=(splits_a_wave * consts["HT"], 1) if flat else (n_int2 * consts.get("HT", 1), pairs),
         gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
-        reduce_grid=(pairs, d // block_c),
-        reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (_pow2(hg) * block_c),
-                                                                           max(8, _pow2(ns))),
-                           BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, GATED=gated, ROTATE=rotate_values,
+        reduce_grid=(pairs, d // block_c, _pow2(hg) // hb),
+        reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (hb * block_c), max(8, _pow2(ns))),
+                           HB=hb, BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, GATED=gated, ROTATE=rotate_values,
                            num_warps=4, **launch))
