@@ -284,6 +284,40 @@ def test_reduce_over_many_splits_drops_the_empty_ones():
     assert relative_errors(out, ref).max() < 1e-2
 
 
+def test_head_blocks_by_the_launches_programs():
+    """A reduce program takes the fewest heads (from 2) that keep the launch within 512 programs, a rotation program
+    at most 4."""
+    assert decode.reduce_heads(16, 2 * 16) == 2          # GQA 16 at batch 1: 256 programs
+    assert decode.reduce_heads(16, 16 * 8) == 4          # at batch 8: 512
+    assert decode.reduce_heads(8, 64 * 8) == 8           # GQA 8 at batch 8: all 8 heads, 512 programs
+    assert decode.reduce_heads(4, 64 * 8) == 4 and decode.reduce_heads(1, 8) == 1 and decode.reduce_heads(3, 3) == 2
+    assert [decode.rotate_heads(h) for h in (1, 2, 3, 4, 8, 14, 16)] == [1, 2, 4, 4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("reduce_heads,rotate_heads", [(16, 16), (4, 2), (2, 4), (8, 16)])
+def test_head_blocks_give_every_head_its_output(monkeypatch, reduce_heads, rotate_heads):
+    """However the reduce and the rotation divide a KV head's 14 heads (padded to 16) among programs, every head's
+    output is the reference's, and the arms agree with one another."""
+    gen = torch.Generator().manual_seed(14)
+    cache, layer, q = build(gen, [700, 50, 330], 14, 1, 64, 64, 64)
+    ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation,
+                                             layer.value_mean, 0.125)
+    args = (q.to(DEVICE), to_device(cache), layer.key_rotation.to(DEVICE), layer.value_rotation.to(DEVICE),
+            layer.value_mean.to(DEVICE), 0.125)
+    whole = decode.decode_attention(*args, graph=False, gluon=False).cpu()
+    monkeypatch.setattr(decode, "reduce_heads", lambda *a: reduce_heads)
+    monkeypatch.setattr(decode, "rotate_heads", lambda *a: rotate_heads)
+    decode._PLANS.clear()
+    plan = decode.launch_plan(args[0], args[1], gluon=False)
+    assert plan.reduce_grid[2] == 16 // reduce_heads and plan.reduce_consts["HB"] == reduce_heads
+    out = decode.decode_attention(*args, graph=False, gluon=False).cpu()
+    monkeypatch.undo()
+    decode._PLANS.clear()
+    assert torch.isfinite(out).all()
+    assert relative_errors(out, ref).max() < 1e-2
+    assert relative_errors(out, whole).max() < 2e-3
+
+
 def test_decode_kernel_default_settings_for_many_sequences():
     """17+ (sequence, KV head) pairs take default_config's one-warp programs."""
     lengths = [700, 450, 321, 330, 600, 64, 500, 360, 420]
@@ -298,7 +332,7 @@ def test_decode_kernel_default_settings_for_many_sequences():
     assert err.max() < 1e-2, err
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(32, 8, 128), (9, 3, 64), (14, 1, 64)])
 def test_rotate_query_kernel_matches_reference(heads, kv_heads, d):
     gen = torch.Generator().manual_seed(heads)
     q = torch.randn(3, heads, d, generator=gen).bfloat16()

@@ -595,23 +595,31 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
 
 @triton.jit
 def _rotate_kernel(q_ptr, rk_ptr, out_ptr, HKV: tl.constexpr, HG: tl.constexpr, HGP: tl.constexpr,
-                   D: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                   D: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr, HB: tl.constexpr = 0):
     """q̃[b, h·HG + r, e] = Σ_c q[b, h·HG + r, c]·R_K[h, c, e] in float32, stored bf16, for columns
-    [e0, e0 + BLOCK_E): kvstore.rotate_query in one launch. PDL: lets the next launch (a programmatic
-    dependent) start at once."""
+    [e0, e0 + BLOCK_E) and the heads r of block k ([k·HB, (k + 1)·HB); HB = 0: all HGP): kvstore.rotate_query
+    in one launch. PDL: lets the next launch (a programmatic dependent) start at once."""
     if PDL:
         gdc_launch_dependents()
+    RB: tl.constexpr = HB if HB > 0 else HGP
     bh = tl.program_id(0)
     e0 = tl.program_id(1) * BLOCK_E
     h = bh % HKV
-    r = tl.arange(0, HGP)
+    r = tl.program_id(2) * RB + tl.arange(0, RB)
     c = tl.arange(0, D)
     e = e0 + tl.arange(0, BLOCK_E)
     rows = (bh * HG + r)[:, None]
     q = tl.load(q_ptr + rows * D + c[None, :], mask=(r < HG)[:, None], other=0.0).to(tl.float32)
-    rot = _factor_tile(rk_ptr + h * D * D, c * D, e, HGP >= 16)        # R_K[c, e] as [1, c, e]
+    rot = _factor_tile(rk_ptr + h * D * D, c * D, e, RB >= 16)        # R_K[c, e] as [1, c, e]
     y = tl.sum(q[:, :, None] * rot, axis=1)
     tl.store(out_ptr + rows * D + e[None, :], y.to(tl.bfloat16), mask=(r < HG)[:, None])
+
+
+def rotate_heads(heads_per_kv: int) -> int:
+    """Query heads a rotation program takes: at most 4. Its [heads, d, 16] float32 product over all 16 heads of GQA 16
+    took 2.8 µs at batch 1, over 4 heads a program 1.7; GQA 8 2.3 -> 1.9 at batch 1, 5.3 -> 4.6 at 8, 16.0 -> 14.2 at
+    32; 2 heads a program gain no more and lose at batch 8-32 (H200, bench/head_blocks.py, rotate_heads_h200.txt)."""
+    return min(_pow2(heads_per_kv), 4)
 
 
 def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor, pdl: bool = False) -> torch.Tensor:
@@ -622,9 +630,10 @@ def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor, pdl: bool = F
     hg = heads // kv_heads
     out = torch.empty(bsz, heads, d, dtype=torch.bfloat16, device=q.device)
     block_e = 16
+    hb = rotate_heads(hg)
     _launch(_rotate_kernel)(
-        (bsz * kv_heads, d // block_e), q.contiguous(), key_rotation.float().contiguous(), out, HKV=kv_heads, HG=hg,
-        HGP=_pow2(hg), D=d, BLOCK_E=block_e, PDL=pdl, num_warps=4)
+        (bsz * kv_heads, d // block_e, _pow2(hg) // hb), q.contiguous(), key_rotation.float().contiguous(), out,
+        HKV=kv_heads, HG=hg, HGP=_pow2(hg), D=d, BLOCK_E=block_e, PDL=pdl, HB=hb, num_warps=4)
     return out
 
 
