@@ -720,8 +720,8 @@ _OLD_COUNTERS: list = []
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), reused by every call on the device: each call's
-    merging programs leave them at 0. A larger set replaces the old one, which is kept alive (a captured
+    """Zeroed int32 counters, one per (sequence, KV head) and reduce head block, reused by every call on the device:
+    each call's merging programs leave them at 0. A larger set replaces the old one, which is kept alive (a captured
     CUDA graph may still point at it). Calls on one device must not run concurrently on several streams."""
     have = _COUNTERS.get(device)
     if have is None or have.numel() < n:
