@@ -11,9 +11,9 @@ merge combines the slices with a running max, o = Σ_s 2^(m_s−M) acc_s / Σ_s 
 to original space, o·R_V^T + μ_V. Scores are kept in base 2: x = scaling·log2(e)·q̃·k̃.
 Default: three launches (_rotate_kernel for q̃ = q·R_K in bf16, _split_kernel, _reduce_kernel), four
 where decode_gluon's programs take the INT2 rows and _split_kernel only the windows (inside a CUDA graph
-the two run side by side). _reduce_kernel merges each block of columns once, each program applies its
-columns' share of R_V^T, and the last program of a (sequence, KV head) sums the shares (an atomic counter
-it resets). fused: one launch, the query rotated inside every program and the merge done by the last
+the two run side by side). _reduce_kernel merges each block of columns of a block of query heads once
+(reduce_heads), each program applies its columns' share of R_V^T, and the last program of a (sequence, KV head,
+head block) sums the shares (an atomic counter it resets). fused: one launch, the query rotated inside every program and the merge done by the last
 program of each (sequence, KV head) to finish (correct, measured slower: bench/results/kernel_notes.md v7).
 
 INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
