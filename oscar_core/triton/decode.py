@@ -13,8 +13,9 @@ Default: three launches (_rotate_kernel for q̃ = q·R_K in bf16, _split_kernel,
 where decode_gluon's programs take the INT2 rows and _split_kernel only the windows (inside a CUDA graph
 the two run side by side). _reduce_kernel merges each block of columns of a block of query heads once
 (reduce_heads), each program applies its columns' share of R_V^T, and the last program of a (sequence, KV head,
-head block) sums the shares (an atomic counter it resets). fused: one launch, the query rotated inside every program and the merge done by the last
-program of each (sequence, KV head) to finish (correct, measured slower: bench/results/kernel_notes.md v7).
+head block) sums the shares (an atomic counter it resets). fused: one launch, the query rotated inside every
+program and the merge done by the last program of each (sequence, KV head) to finish (correct, measured slower:
+bench/results/kernel_notes.md v7).
 
 INT2 arithmetic. Byte j of a packed row holds channels 4j+i (i = 0..3). Each byte becomes four bf16
 values u_i = m_i·code_i, m = (1, 4, 16, 16) (see _unpack: no integer-to-float conversion). With
@@ -540,9 +541,9 @@ def _factor_tile(ptr, a_off, b_off, WIDE: tl.constexpr):
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, out_ptr, NS,
                    HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HGP: tl.constexpr,
                    SB: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MEAN: tl.constexpr, PDL: tl.constexpr,
-                   GATED: tl.constexpr, ROTATE: tl.constexpr, HB: tl.constexpr = 0):
+                   GATED: tl.constexpr, ROTATE: tl.constexpr, HB: tl.constexpr):
     """Program (bh, j, k), for the columns c of block j ([j·BLOCK_C, (j + 1)·BLOCK_C)) and the query heads r of
-    block k ([k·HB, (k + 1)·HB); HB = 0: all HGP in one block):
+    block k ([k·HB, (k + 1)·HB), HB dividing HGP):
       õ[r, c] = Σ_s 2^(m_s−M) acc_s[r, c] / Σ_s 2^(m_s−M) l_s   (SB splits a step, running max; splits
                                                                  with l_s = 0 are empty and left unread)
       y_j[r, :] = Σ_{c in block j} õ[r, c]·R_V[:, c]            (its share of õ·R_V^T, float32, to py)
@@ -551,19 +552,18 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
     waits on a serial chain of products. Without ROTATE (R_V in the model's weights) it writes o[r, c] = õ[r, c]
     (+ μ_V[c]) itself: no shares, no counter. PDL: launched as a programmatic dependent of the split programs,
     it loads its R_V columns before gdc_wait and the partials after. GATED: _merged's."""
-    RB: tl.constexpr = HB if HB > 0 else HGP
     bh = tl.program_id(0)
     j = tl.program_id(1)
     k = tl.program_id(2)
     c0 = j * BLOCK_C
     h = bh % HKV
-    r = k * RB + tl.arange(0, RB)
+    r = k * HB + tl.arange(0, HB)
     rmask = r < HG
     c = c0 + tl.arange(0, BLOCK_C)
     e = tl.arange(0, D)
     base = bh * NS * HG
     if ROTATE:
-        rvt = _factor_tile(rv_ptr + h * D * D, c, e * D, RB >= 16)        # R_V[e, c] as [1, c, e]
+        rvt = _factor_tile(rv_ptr + h * D * D, c, e * D, HB >= 16)        # R_V[e, c] as [1, c, e]
         if PDL:
             gdc_wait()
         o = _merged(po_ptr, pm_ptr, pl_ptr, base, r, rmask, c, NS, HG, D, SB, "", GATED)
@@ -572,10 +572,10 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
         tl.store(ys + j * HGP * D, y)
         # Every thread's share is stored before the counter moves (barrier, then a release at GPU scope).
         tl.debug_barrier()
-        cnt = cnt_ptr + bh * (HGP // RB) + k
+        cnt = cnt_ptr + bh * (HGP // HB) + k
         done = tl.atomic_add(cnt, 1, sem="acq_rel")
         if done == D // BLOCK_C - 1:
-            total = tl.zeros([RB, D], tl.float32)
+            total = tl.zeros([HB, D], tl.float32)
             for i in range(D // BLOCK_C):
                 total += tl.load(ys + i * HGP * D, cache_modifier=".cg")
             if HAS_MEAN:
@@ -595,22 +595,21 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, py_ptr, cnt_ptr, rv_ptr, mean_ptr, ou
 
 @triton.jit
 def _rotate_kernel(q_ptr, rk_ptr, out_ptr, HKV: tl.constexpr, HG: tl.constexpr, HGP: tl.constexpr,
-                   D: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr, HB: tl.constexpr = 0):
+                   D: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr, HB: tl.constexpr):
     """q̃[b, h·HG + r, e] = Σ_c q[b, h·HG + r, c]·R_K[h, c, e] in float32, stored bf16, for columns
-    [e0, e0 + BLOCK_E) and the heads r of block k ([k·HB, (k + 1)·HB); HB = 0: all HGP): kvstore.rotate_query
+    [e0, e0 + BLOCK_E) and the heads r of block k ([k·HB, (k + 1)·HB), HB dividing HGP): kvstore.rotate_query
     in one launch. PDL: lets the next launch (a programmatic dependent) start at once."""
     if PDL:
         gdc_launch_dependents()
-    RB: tl.constexpr = HB if HB > 0 else HGP
     bh = tl.program_id(0)
     e0 = tl.program_id(1) * BLOCK_E
     h = bh % HKV
-    r = tl.program_id(2) * RB + tl.arange(0, RB)
+    r = tl.program_id(2) * HB + tl.arange(0, HB)
     c = tl.arange(0, D)
     e = e0 + tl.arange(0, BLOCK_E)
     rows = (bh * HG + r)[:, None]
     q = tl.load(q_ptr + rows * D + c[None, :], mask=(r < HG)[:, None], other=0.0).to(tl.float32)
-    rot = _factor_tile(rk_ptr + h * D * D, c * D, e, RB >= 16)        # R_K[c, e] as [1, c, e]
+    rot = _factor_tile(rk_ptr + h * D * D, c * D, e, HB >= 16)        # R_K[c, e] as [1, c, e]
     y = tl.sum(q[:, :, None] * rot, axis=1)
     tl.store(out_ptr + rows * D + e[None, :], y.to(tl.bfloat16), mask=(r < HG)[:, None])
 
@@ -671,7 +670,7 @@ def reduce_heads(heads_per_kv: int, programs: int) -> int:
     """Query heads a reduce program merges: the fewest (from 2) that keep the reduce within 512 programs, where
     `programs` is its grid with all of a KV head's heads in each (pairs x column blocks). One program for all 16
     heads of GQA 16 at batch 1 took 9.5-15 µs, serial steps over the splits' partials of 16 heads at a time; 4 or
-    2 heads a program 4.4-5.5 (H200, reduce alone, 8K-100K x 1, bench/reduce_heads.py, reduce_heads_h200.txt).
+    2 heads a program 4.4-5.5 (H200, reduce alone, 8K-100K x 1, bench/head_blocks.py, reduce_heads_h200.txt).
     Past 512 programs more of them lose: Qwen3-8B 100K x 8 7.0 µs at 512 programs, 9.5 at 1,024; GQA 8 100K x 8
     9.0 at 512, 10.8 at 1,024."""
     hgp = _pow2(heads_per_kv)
@@ -1437,6 +1436,6 @@ def _plan(q, cache, max_length, block_n, block_w, num_warps, num_stages, waves, 
         gluon_grid=(splits_a_wave * consts["HT"], 1) if flat else (n_int2 * consts.get("HT", 1), pairs),
         gluon_consts=dict(**_gluon_options(consts), **consts, **launch) if gluon else {},
         reduce_grid=(pairs, d // block_c, _pow2(hg) // hb),
-        reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), SB=min(8192 // (hb * block_c), max(8, _pow2(ns))),
-                           HB=hb, BLOCK_C=block_c, HAS_MEAN=has_mean, PDL=pdl, GATED=gated, ROTATE=rotate_values,
-                           num_warps=4, **launch))
+        reduce_consts=dict(HKV=kv_heads, HG=hg, D=d, HGP=_pow2(hg), HB=hb,
+                           SB=min(8192 // (hb * block_c), max(8, _pow2(ns))), BLOCK_C=block_c, HAS_MEAN=has_mean,
+                           PDL=pdl, GATED=gated, ROTATE=rotate_values, num_warps=4, **launch))
