@@ -52,15 +52,20 @@ def compiled_dots(name: str, const: dict, types: dict | None = None, num_warps: 
 
 
 @pytest.mark.parametrize("name,const", [
-    ("_rotate_kernel", dict(HKV=1, HG=16, HGP=16, D=128, BLOCK_E=16, PDL=False)),
-    ("_rotate_kernel", dict(HKV=8, HG=8, HGP=8, D=128, BLOCK_E=16, PDL=False)),
-    ("_reduce_kernel", dict(REDUCE, HG=16, HGP=16, SB=64, BLOCK_C=8)),
-    ("_reduce_kernel", dict(REDUCE, HG=16, HGP=16, SB=32, BLOCK_C=16)),
-    ("_reduce_kernel", dict(REDUCE, HG=12, HGP=16, SB=32, BLOCK_C=16)),
-    ("_reduce_kernel", dict(REDUCE, HG=4, HGP=4, SB=64, BLOCK_C=16)),
-], ids=lambda x: x if isinstance(x, str) else f"heads{x['HGP']}")
+    ("_rotate_kernel", dict(HKV=1, HG=16, HGP=16, HB=16, D=128, BLOCK_E=16, PDL=False)),
+    ("_rotate_kernel", dict(HKV=1, HG=16, HGP=16, HB=4, D=128, BLOCK_E=16, PDL=False)),
+    ("_rotate_kernel", dict(HKV=8, HG=8, HGP=8, HB=8, D=128, BLOCK_E=16, PDL=False)),
+    ("_rotate_kernel", dict(HKV=8, HG=2, HGP=2, HB=2, D=128, BLOCK_E=16, PDL=False)),
+    ("_reduce_kernel", dict(REDUCE, HG=16, HGP=16, HB=16, SB=64, BLOCK_C=8)),
+    ("_reduce_kernel", dict(REDUCE, HG=16, HGP=16, HB=16, SB=32, BLOCK_C=16)),
+    ("_reduce_kernel", dict(REDUCE, HG=12, HGP=16, HB=16, SB=32, BLOCK_C=16)),
+    ("_reduce_kernel", dict(REDUCE, HG=16, HGP=16, HB=2, SB=256, BLOCK_C=8)),
+    ("_reduce_kernel", dict(REDUCE, HG=16, HGP=16, HB=4, SB=128, BLOCK_C=16)),
+    ("_reduce_kernel", dict(REDUCE, HG=8, HGP=8, HB=8, SB=64, BLOCK_C=16)),
+    ("_reduce_kernel", dict(REDUCE, HG=4, HGP=4, HB=4, SB=64, BLOCK_C=16)),
+], ids=lambda x: x if isinstance(x, str) else f"heads{x['HGP']}-block{x['HB']}")
 def test_float32_products_stay_off_tf32(name, const):
-    """No TF32 dot in the rotation's or the reduce's compiled code, at 16 head rows as at 4 and 8."""
+    """No TF32 dot in the rotation's or the reduce's compiled code, at 16 head rows a program as at 2, 4 and 8."""
     found = compiled_dots(name, const)
     assert not [d for d in found["dots"] if "tf32" in d], found["dots"]
     assert not [m for m in found["mma"] if "tf32" in m], found["mma"][:2]
@@ -99,5 +104,5 @@ def test_window_programs_compile_with_more_warps(d, hg, warps):
 @pytest.mark.parametrize("hg", [4, 16])
 def test_reduce_without_value_rotation_has_no_product(hg):
     """With R_V in the model's weights (ROTATE off) the reduce only merges: no dot, no share of õ·R_V^T."""
-    found = compiled_dots("_reduce_kernel", dict(REDUCE, HG=hg, HGP=hg, SB=32, BLOCK_C=16, ROTATE=False))
+    found = compiled_dots("_reduce_kernel", dict(REDUCE, HG=hg, HGP=hg, HB=hg, SB=32, BLOCK_C=16, ROTATE=False))
     assert not found["dots"] and not found["mma"]
