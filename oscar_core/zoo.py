@@ -36,17 +36,21 @@ PROVENANCE = ("tensors.sha256", "calibration.platform", "calibration.model_sourc
 # |committed − rebuilt| allowed per verify figure. Measured across instruction sets
 # (bench/results/reproducibility.md): the errors did not move at the recorded 4 digits, KL moved 2e-4, top-1 agreement one token in 1,023 (9e-4);
 # margins are about 10x that (10 rounding steps for the errors). Seeds move these figures little (<= 2e-3):
-# verify shows the rebuild performs as recorded; telling seeds apart is the tensors' job. The attention errors and
-# KIVI-style KL take the margins of their kin. Perplexities compare as |log ratio| (mean NLL, nats): the INT2 arm's
+# verify shows the rebuild performs as recorded; telling seeds apart is the tensors' job. The attention errors take
+# the margins of their kin (KIVI-style KL: below). Perplexities compare as |log ratio| (mean NLL, nats): the INT2 arm's
 # moved 2.3e-3 (Qwen2.5-Coder) and 1.9e-3 (SmolLM2) between the CI machine and ours while its KL did not move at
 # 4 digits (a few codes flipping at the rounding edge shift NLL more than KL); the margin is about 10x that.
 # The probe errors behind each layer's key format moved up to 1.3e-3 relative between instruction sets (avx512 vs
 # avx2 / default, SmolLM2 and Qwen2.5-Coder zoo bundles); the format itself must not move.
+# KIVI-style KL is the loosest figure: five times OSCAR's, and its quantized arm flips codes at rounding edges. Between
+# the machine that committed SmolLM2's bundle and an Intel Xeon with AVX512 (session 38's CI) it moved 2.7e-3
+# (0.1156 -> 0.1129 under avx2, 0.1130 natively; BF16 perplexity moved 3e-4 in log, OSCAR's KL 2e-4): its margin
+# is 1e-2, under 9% of it.
 LAYER_ERROR_TOLERANCE = 1e-2
 VERIFY_MARGINS = {"logit_error": 1e-3, "hadamard_logit_error": 1e-3, "output_error": 1e-3,
                   "hadamard_output_error": 1e-3, "kl": 2e-3, "top1_agreement": 1e-2,
                   "attention_error": 1e-3, "kivi_attention_error": 1e-3, "hadamard_attention_error": 1e-3,
-                  "kivi_kl": 2e-3, "ppl": 2e-2, "kivi_ppl": 2e-2, "bf16_ppl": 2e-2}
+                  "kivi_kl": 1e-2, "ppl": 2e-2, "kivi_ppl": 2e-2, "bf16_ppl": 2e-2}
 
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
