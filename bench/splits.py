@@ -7,6 +7,10 @@ arms, every sequence at the full context, on shapes.py's random stores.
 min-chunk: the fewest rows a program reads (default_config's min_chunk) at 128 (the default), 256, 512 and 1024,
 best of 2, the splits a pair in brackets, and the largest difference of an arm's output from the 128 arm's.
 cap: decode.MAX_GLUON_SPLITS off against 256, best of 3, each arm's error against the float32 reference.
+heads: at batch 1-8 with 5-16 heads a KV head, the Gluon programs' heads (8 or 16), MAX_GLUON_SPLITS (256 or 1024)
+and the splits a multiprocessor (gluon_waves' or a whole wave of the slots), best of 3, each arm's error.
+
+    PYTHONPATH=. python3 bench/splits.py heads > bench/results/heads_splits_h200.txt
 """
 import sys
 
@@ -106,5 +110,49 @@ def cap(gen):
         torch.cuda.empty_cache()
 
 
+HEADS_POINTS = [("GQA 16 32/2 d128", 8192, 1), ("GQA 16 32/2 d128", 16384, 1), ("GQA 16 32/2 d128", 100_000, 1),
+                ("GQA 16 32/2 d128", 100_000, 8), ("Qwen3-32B 64/8 d128 (GQA 8)", 100_000, 1),
+                ("Qwen3-32B 64/8 d128 (GQA 8), keys per channel", 100_000, 1),
+                ("Qwen2.5-7B 28/4 d128 (GQA 7), keys per channel", 100_000, 1),
+                ("Qwen2.5-14B 40/8 d128 (GQA 5)", 100_000, 1), ("Qwen3-8B 32/8 d128", 100_000, 1),
+                ("Qwen3-8B 32/8 d128, keys per channel", 100_000, 1)]
+
+
+def heads(gen):
+    for label, context, bsz in HEADS_POINTS:
+        call, out, args = problem(label, context, bsz, gen)
+        q, cache = args[:2]
+        hg = q.shape[1] // cache.key_codes.shape[1]
+        ref = kvstore.decode_attention_reference(*args)
+        plan = decode.launch_plan(q, cache, max_length=context)
+        ht = plan.gluon_consts["HT"]
+        slots = decode._gluon_programs_per_sm(cache, {k: plan.gluon_consts[k] for k in plan.gluon_consts
+                                                      if k.isupper() and k != "PDL"}, q.device)
+        arms = [(hp, limit, w) for hp in ((8, 16) if hg > 4 else (None,)) for limit in (256, 1024)
+                for w in (None, "whole")]
+        best, splits, errs = {}, {}, {}
+        for _ in range(3):
+            for arm in arms:
+                hp, limit, w = arm
+                decode.MAX_GLUON_SPLITS = limit
+                decode._PLANS.clear()
+                consts = decode.gluon_constexprs(cache, q.shape[1], q.shape[2], 1, hp)
+                waves = None if w is None else decode._gluon_programs_per_sm(cache, consts, q.device) // consts["HT"]
+                fn = lambda a=args, hp=hp, waves=waves: decode.decode_attention(  # noqa: E731
+                    *a, max_length=context, out=out, graph=False, heads_per_program=hp, waves=waves)
+                fn()
+                errs[arm] = shapes.rel_err(out, ref)
+                p = decode.launch_plan(q, cache, max_length=context, heads_per_program=hp, waves=waves)
+                splits[arm] = f"{p.n_int2}x{p.gluon_consts['HT']}"
+                best[arm] = min(best.get(arm, 9e9), graph_bench(fn) * 1e3)
+        decode.MAX_GLUON_SPLITS = 256
+        decode._PLANS.clear()
+        print(f"{label} {context} x {bsz} (rule: {plan.n_int2}x{ht}, {slots} slots): "
+              + "  ".join(f"{a[0] or '-'}/{a[1]}/{a[2] or 'rule'}: {best[a]:.1f} ({splits[a]}, {errs[a]:.1e})"
+                          for a in arms), flush=True)
+        del call, args, cache
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    {"min-chunk": min_chunk, "cap": cap}[sys.argv[1]](torch.Generator("cuda").manual_seed(0))
+    {"min-chunk": min_chunk, "cap": cap, "heads": heads}[sys.argv[1]](torch.Generator("cuda").manual_seed(0))

@@ -61,3 +61,11 @@ def test_interpreted_kernels_run_through_the_jit_every_call():
         launch((2,), x, out, 10, FACTOR=factor, BLOCK=8)
         torch.testing.assert_close(out, x * factor)
     assert launch.compiled == {}
+
+
+def test_every_caller_shares_one_cached_kernel_a_function():
+    from oscar_core.triton import decode, launch, write
+
+    assert launch.cached(_scale) is launch.cached(_scale)
+    assert decode._launch(write._append_kernel) is launch.cached(write._append_kernel)
+    assert launch.cached(write._append_kernel) is not launch.cached(write._leave_kernel)

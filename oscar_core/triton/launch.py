@@ -4,8 +4,11 @@ A JIT launch binds and specializes every argument in Python before it looks up t
 40-odd arguments of the decode programs that is tens of microseconds a launch, more than the programs run at
 8K-16K tokens. CachedKernel does the JIT launch once per setting and keeps the compiled kernel it returns;
 later calls look it up by launch_key and launch it directly. Where the JIT returns no compiled kernel (the CPU
-interpreter) every call takes the JIT path.
+interpreter) every call takes the JIT path. `cached(fn)` is the one CachedKernel of a JIT function: decode's
+launches and the write launches of a decode step (append_kv, leave_blocks) go through it.
 """
+
+import functools
 
 import torch
 
@@ -45,3 +48,9 @@ class CachedKernel:
         tail = self.fn.arg_names[len(args):]
         if hasattr(kernel, "function") and all(name in kwargs for name in tail):
             self.compiled[key] = kernel, tail
+
+
+@functools.lru_cache(maxsize=None)
+def cached(fn) -> CachedKernel:
+    """The CachedKernel of the JIT function fn (one per function, so every caller shares its compiled kernels)."""
+    return CachedKernel(fn)

@@ -60,6 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oscar_core.triton.launch import cached
+
 # 1.5·2^23: (x + M) − M rounds a float32 |x| < 2^22 to nearest, ties to even.
 ROUND_MAGIC = tl.constexpr(12582912.0)
 
@@ -610,8 +612,8 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
         n_tiles = triton.cdiv(rows, bt)
         programs = max(1, min(n_tiles, -(-waves * _num_sms(keys.device) // (2 * heads * (d // c)))))
         (khi, klo, kmr), (vhi, vlo, vmr) = key_rot, value_rot
-        _append_kernel[(programs, heads, 2 * (d // c))](
-            keys, keys.stride(0), keys.stride(1), keys.stride(2),
+        cached(_append_kernel)(
+            (programs, heads, 2 * (d // c)), keys, keys.stride(0), keys.stride(1), keys.stride(2),
             values, values.stride(0), values.stride(1), values.stride(2),
             khi, klo, khi if kmr is None else kmr, key_clip, vhi, vlo, vhi if vmr is None else vmr, value_clip,
             cache.key_sink, cache.key_recent, cache.key_codes, cache.key_scale, cache.key_zero,
@@ -752,8 +754,8 @@ def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int
     g = cache.key_group_size
     if cache.key_axis != "channel" or n > cache.recent_tokens:
         raise ValueError("leave_blocks moves the key blocks of a store with keys per channel, n ≤ W tokens at a time")
-    _leave_kernel[(triton.cdiv(n, g), bsz * heads, 2)](
-        cache.key_recent, cache.value_recent, cache.key_codes, cache.key_scale, cache.key_zero,
+    cached(_leave_kernel)(
+        (triton.cdiv(n, g), bsz * heads, 2), cache.key_recent, cache.value_recent, cache.key_codes, cache.key_scale, cache.key_zero,
         cache.value_codes, cache.value_scale, cache.value_zero, key_clip, value_clip, cache.lengths,
         cache.lengths if starts is None else starts, n, cache.key_codes.shape[2],
         H=heads, D=d, G=g, GV=cache.value_group_size, S=cache.sink_tokens, W=cache.recent_tokens,

@@ -1,0 +1,179 @@
+"""Where a plain `model.generate` step goes with an OscarCache (eager, as a caller without CUDA graphs runs it): a
+model of a real config with random weights (host time does not depend on the weights), its zoo bundle, random
+prompts. Arms:
+  oscar          OscarCache inside oscar_attention, as a user runs it (decode_attention replays a CUDA graph per
+                 layer, captured on the layer's first decode steps)
+  oscar-direct   the same, every decode_attention call launched directly (graph=False)
+  oscar-jit      the same as oscar, the decode step's write launches (append_kv, leave_blocks) through triton's JIT
+                 dispatch rather than launch.cached (what they were before)
+  bf16           transformers' DynamicCache
+Per arm, after a warm-up call (Triton compiles there): model.generate of 1, 8 and 40 new tokens, each on a fresh
+cache; the steady step is (t40 − t8) / 32, the first steps' extra (graph captures) t8 − t1 − 7 steps, the prefill
+t1; the arms interleaved, 3 rounds (--rounds), each arm's round with the fastest steady step kept. Then, for the
+oscar and bf16 arms, a cProfile of steps 8-40 of one call (switched on by a logits processor, so without the
+prefill and the captures): the host functions with the most time of their own, and a step's share of each part.
+
+    PYTHONPATH=. python3 bench/eager_generate.py --config .scratch/qwen05_config.json \\
+        --bundle zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1 --points 32000x1,8192x8 > bench/results/eager_generate_qwen_h200.txt
+(the config: `AutoConfig.from_pretrained(dir, gguf_file=...)` of the packaged model, saved as JSON).
+"""
+
+import argparse
+import contextlib
+import cProfile
+import functools
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from oscar_core.bundle import load_bundle
+from oscar_core.cache import OscarCache, oscar_attention
+from oscar_core.triton import decode, write
+
+PARTS = ("generate", "decode_attention", "_replayed", "_capture", "commit", "append_kv", "leave_blocks", "update",
+         "launch_plan", "graph_key", "rotate_query_bf16")
+
+
+def random_model(config_path: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_path)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval()
+
+
+def counted_captures():
+    """Wrap decode._capture to count its calls; returns the counter (a one-element list)."""
+    count = [0]
+    capture = decode._capture
+
+    def wrapped(*args, **kwargs):
+        count[0] += 1
+        return capture(*args, **kwargs)
+    decode._capture = wrapped
+    return count
+
+
+def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
+    """cProfile of the decode steps after the first `after` of one model.generate call of `tokens` new tokens
+    (cache None: DynamicCache): the profiler is switched on by a logits processor, so neither the prefill nor the
+    first steps' graph captures are in it."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    prof = cProfile.Profile()
+
+    class Start(LogitsProcessor):
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            Start.calls += 1
+            if Start.calls == after:
+                torch.cuda.synchronize()
+                prof.enable()
+            return scores
+
+    mask = torch.ones_like(ids)
+    with torch.inference_mode(), oscar_attention(model, cache) if cache is not None else contextlib.nullcontext():
+        if cache is not None:
+            cache.reset()
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens,
+                       min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([Start()]))
+        torch.cuda.synchronize()
+        prof.disable()
+    steps = tokens - after
+    stats = pstats.Stats(prof, stream=(buf := io.StringIO()))
+    stats.sort_stats("tottime").print_stats(25)
+    own = buf.getvalue()
+    total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.stats.items())
+    cum = [f"  profiled: {steps} steps, {total / steps * 1e3:.2f} ms a step of host time (under the profiler)"]
+    for (file, line, name), (cc, nc, tt, ct, callers) in stats.stats.items():
+        if name in PARTS and "oscar_core" in file or name in ("attention", "sdpa_attention_forward"):
+            cum.append(f"  {name} ({Path(file).name}:{line}): {nc / steps:.0f} calls a step, "
+                       f"{ct / steps * 1e3:.2f} ms a step cumulative, {ct / max(nc, 1) * 1e6:.1f} µs a call")
+    return own[own.find("ncalls") - 40:] + "\n".join(sorted(cum))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="a model's config.json (random weights)")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--points", default="32000x1")
+    p.add_argument("--profile-tokens", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    model = random_model(args.config)
+    bundle = load_bundle(args.bundle)
+    c = model.config
+    print(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; {c.model_type}, {c.num_hidden_layers} layers, "
+          f"{c.num_attention_heads} / {c.num_key_value_heads} heads; bundle {args.bundle}",
+          flush=True)
+    captures = counted_captures()
+    gen = torch.Generator().manual_seed(0)
+    for point in args.points.split(","):
+        context, batch = (int(x) for x in point.split("x"))
+        ids = torch.randint(0, c.vocab_size, (batch, context), generator=gen).cuda()
+        caches = {arm: OscarCache(bundle, "oscar", capacity=context + 48) if arm != "bf16" else None for arm in ARMS}
+        for arm in ARMS:
+            with patched(arm):
+                timed(model, caches[arm], ids, 8)     # compiles
+        best = {}
+        for _ in range(args.rounds):
+            for arm in ARMS:
+                with patched(arm):
+                    captures[0] = 0
+                    t = {n: timed(model, caches[arm], ids, n) for n in (1, 8, 40)}
+                    step = (t[40] - t[8]) / 32
+                    row = (step, t[8] - t[1] - 7 * step, t[1], captures[0])
+                    best[arm] = min(best.get(arm, row), row)
+        for arm in ARMS:
+            step, extra, prefill, caps = best[arm]
+            print(f"## {context} x {batch} {arm}: steady step {step * 1e3:.2f} ms; first 7 steps' extra "
+                  f"{extra * 1e3:.1f} ms; prefill call {prefill:.3f} s; decode graphs captured in the 1-, 8- and "
+                  f"40-token calls {caps}", flush=True)
+        for arm in ("oscar", "bf16"):
+            with patched(arm):
+                print(f"### {arm}: cProfile of steps {PROFILE_AFTER}-{args.profile_tokens}", flush=True)
+                print(profile_call(model, caches[arm], ids, args.profile_tokens, PROFILE_AFTER), flush=True)
+        del caches
+        torch.cuda.empty_cache()
+
+
+PROFILE_AFTER = 8
+ARMS = ("oscar", "oscar-direct", "oscar-jit", "bf16")
+
+
+@contextlib.contextmanager
+def patched(arm: str):
+    """The module attributes an arm changes, restored after."""
+    saved = decode.decode_attention, write.cached
+    if arm == "oscar-direct":
+        decode.decode_attention = functools.partial(saved[0], graph=False)
+    if arm == "oscar-jit":
+        write.cached = lambda fn: (lambda grid, *a, **k: fn[grid](*a, **k))
+    try:
+        yield
+    finally:
+        decode.decode_attention, write.cached = saved
+
+
+def timed(model, cache, ids, tokens: int) -> float:
+    """Seconds of one model.generate call of `tokens` new tokens on a fresh cache (None: DynamicCache)."""
+    mask = torch.ones_like(ids)
+    with torch.inference_mode(), oscar_attention(model, cache) if cache is not None else contextlib.nullcontext():
+        if cache is not None:
+            cache.reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens,
+                       do_sample=False)
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    main()
