@@ -14,7 +14,8 @@ oscar and bf16 arms, a cProfile of steps 8-40 of one call (switched on by a logi
 prefill and the captures): the host functions with the most time of their own, and a step's share of each part.
 
     PYTHONPATH=. python3 bench/eager_generate.py --config .scratch/qwen05_config.json \\
-        --bundle zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1 --points 32000x1,8192x8 > bench/results/eager_generate_qwen_h200.txt
+        --bundle zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1 --points 32000x1,8192x8 \\
+        > bench/results/eager_generate_qwen_h200.txt
 (the config: `AutoConfig.from_pretrained(dir, gguf_file=...)` of the packaged model, saved as JSON).
 """
 

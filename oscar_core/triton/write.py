@@ -755,8 +755,8 @@ def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int
     if cache.key_axis != "channel" or n > cache.recent_tokens:
         raise ValueError("leave_blocks moves the key blocks of a store with keys per channel, n ≤ W tokens at a time")
     cached(_leave_kernel)(
-        (triton.cdiv(n, g), bsz * heads, 2), cache.key_recent, cache.value_recent, cache.key_codes, cache.key_scale, cache.key_zero,
-        cache.value_codes, cache.value_scale, cache.value_zero, key_clip, value_clip, cache.lengths,
+        (triton.cdiv(n, g), bsz * heads, 2), cache.key_recent, cache.value_recent, cache.key_codes, cache.key_scale,
+        cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero, key_clip, value_clip, cache.lengths,
         cache.lengths if starts is None else starts, n, cache.key_codes.shape[2],
         H=heads, D=d, G=g, GV=cache.value_group_size, S=cache.sink_tokens, W=cache.recent_tokens,
         R=cache.ring_slots, HAS_START=starts is not None, F32=not cache.key_codes.is_cuda,
