@@ -13,10 +13,12 @@ t1; the arms interleaved, 3 rounds (--rounds), each arm's round with the fastest
 oscar and bf16 arms, a cProfile of steps 8-40 of one call (switched on by a logits processor, so without the
 prefill and the captures): the host functions with the most time of their own, and a step's share of each part.
 
-    PYTHONPATH=. python3 bench/eager_generate.py --config .scratch/qwen05_config.json \\
-        --bundle zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1 --points 32000x1,8192x8 \\
+    PYTHONPATH=. python3 bench/eager_generate.py --model qwen2.5-coder-0.5b --points 32000x1,8192x8 \\
         > bench/results/eager_generate_qwen_h200.txt
-(the config: `AutoConfig.from_pretrained(dir, gguf_file=...)` of the packaged model, saved as JSON).
+    PYTHONPATH=. python3 bench/eager_generate.py --model smollm2-135m --points 8000x1 \\
+        > bench/results/eager_generate_smollm2_h200.txt
+(The configs are the packaged GGUFs' as transformers reads them; the results files were made with --config, those
+configs saved as JSON.)
 """
 
 import argparse
@@ -38,10 +40,27 @@ PARTS = ("generate", "decode_attention", "_replayed", "_capture", "commit", "app
          "launch_plan", "graph_key", "rotate_query_bf16")
 
 
-def random_model(config_path: str):
+# The packaged models' configs (AutoConfig.from_pretrained of their GGUFs) and their zoo bundles.
+MODELS = {
+    "qwen2.5-coder-0.5b": ("zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1", dict(
+        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_parameters=dict(rope_theta=1e6, rope_type="default"))),
+    "smollm2-135m": ("zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1", dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters=dict(rope_theta=1e5, rope_type="default"))),
+}
+
+
+def random_model(config_path: str | None, model: str | None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(config_path)
+    if config_path:
+        config = AutoConfig.from_pretrained(config_path)
+    else:
+        fields = dict(MODELS[model][1])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -101,13 +120,15 @@ def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="a model's config.json (random weights)")
-    p.add_argument("--bundle", required=True)
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-coder-0.5b")
+    p.add_argument("--config", help="a model's config.json instead (random weights); needs --bundle")
+    p.add_argument("--bundle", help="default: --model's zoo bundle")
     p.add_argument("--points", default="32000x1")
     p.add_argument("--profile-tokens", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    model = random_model(args.config)
+    model = random_model(args.config, args.model)
+    args.bundle = args.bundle or MODELS[args.model][0]
     bundle = load_bundle(args.bundle)
     c = model.config
     print(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; {c.model_type}, {c.num_hidden_layers} layers, "
