@@ -36,6 +36,8 @@ from oscar_core.bundle import load_bundle
 from oscar_core.cache import OscarCache, oscar_attention
 from oscar_core.triton import decode, write
 
+ARMS = ("oscar", "oscar-direct", "oscar-jit", "bf16")
+PROFILE_AFTER = 8      # the steps the profile leaves out (the graphs are captured on the first two)
 PARTS = ("generate", "decode_attention", "_replayed", "_capture", "commit", "append_kv", "leave_blocks", "update",
          "launch_plan", "graph_key", "rotate_query_bf16")
 
@@ -112,7 +114,7 @@ def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
     total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.stats.items())
     cum = [f"  profiled: {steps} steps, {total / steps * 1e3:.2f} ms a step of host time (under the profiler)"]
     for (file, line, name), (cc, nc, tt, ct, callers) in stats.stats.items():
-        if name in PARTS and "oscar_core" in file or name in ("attention", "sdpa_attention_forward"):
+        if name in PARTS + ("attention",) and "oscar_core" in file or name == "sdpa_attention_forward":
             cum.append(f"  {name} ({Path(file).name}:{line}): {nc / steps:.0f} calls a step, "
                        f"{ct / steps * 1e3:.2f} ms a step cumulative, {ct / max(nc, 1) * 1e6:.1f} µs a call")
     return own[own.find("ncalls") - 40:] + "\n".join(sorted(cum))
@@ -127,13 +129,14 @@ def main():
     p.add_argument("--profile-tokens", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    if args.config and not args.bundle:
+        p.error("--config needs --bundle (the model's zoo bundle)")
     model = random_model(args.config, args.model)
     args.bundle = args.bundle or MODELS[args.model][0]
     bundle = load_bundle(args.bundle)
     c = model.config
     print(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; {c.model_type}, {c.num_hidden_layers} layers, "
-          f"{c.num_attention_heads} / {c.num_key_value_heads} heads; bundle {args.bundle}",
-          flush=True)
+          f"{c.num_attention_heads} / {c.num_key_value_heads} heads; bundle {args.bundle}", flush=True)
     captures = counted_captures()
     gen = torch.Generator().manual_seed(0)
     for point in args.points.split(","):
@@ -164,9 +167,6 @@ def main():
         del caches
         torch.cuda.empty_cache()
 
-
-PROFILE_AFTER = 8
-ARMS = ("oscar", "oscar-direct", "oscar-jit", "bf16")
 
 
 @contextlib.contextmanager
