@@ -59,7 +59,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_core.kvstore import Int2KVCache
-from oscar_core.triton.launch import CachedKernel, cached
+from oscar_core.triton.launch import cached
 from oscar_core.triton.write import code_offsets, dot
 
 LOG2E = 1.4426950408889634
@@ -636,8 +636,7 @@ def rotate_query_bf16(q: torch.Tensor, key_rotation: torch.Tensor, pdl: bool = F
     return out
 
 
-def _launch(fn) -> CachedKernel:
-    return cached(fn)
+_launch = cached     # a module attribute of its own, which bench/call_parts.py and host_overhead.py replace
 
 
 @functools.lru_cache(maxsize=None)
