@@ -1,11 +1,11 @@
 """Where a plain `model.generate` step goes with an OscarCache (eager, as a caller without CUDA graphs runs it): a
 model of a real config with random weights (host time does not depend on the weights), its zoo bundle, random
 prompts. Arms:
-  oscar          OscarCache inside oscar_attention, as a user runs it (decode_attention replays a CUDA graph per
-                 layer, captured on the layer's first decode steps)
-  oscar-direct   the same, every decode_attention call launched directly (graph=False)
-  oscar-jit      the same as oscar, the decode step's write launches (append_kv, leave_blocks) through triton's JIT
-                 dispatch rather than launch.cached (what they were before)
+  oscar          OscarCache inside oscar_attention, as a user runs it: each layer's decode step (the token's write
+                 and the read) one CUDA graph replay (decode.decode_step), captured on the layer's first steps
+  oscar-split    the write launched directly, then decode_attention replaying a graph of the read alone (what a
+                 step was before decode_step)
+  oscar-direct   every launch direct (no graphs)
   bf16           transformers' DynamicCache
 Per arm, after a warm-up call (Triton compiles there): model.generate of 1, 8 and 40 new tokens, each on a fresh
 cache; the steady step is (t40 − t8) / 32, the first steps' extra (graph captures) t8 − t1 − 7 steps, the prefill
@@ -34,12 +34,12 @@ import torch
 
 from oscar_core.bundle import load_bundle
 from oscar_core.cache import OscarCache, oscar_attention
-from oscar_core.triton import decode, write
+from oscar_core.triton import decode
 
-ARMS = ("oscar", "oscar-direct", "oscar-jit", "bf16")
+ARMS = ("oscar", "oscar-split", "oscar-direct", "bf16")
 PROFILE_AFTER = 8      # the steps the profile leaves out (the graphs are captured on the first two)
-PARTS = ("generate", "decode_attention", "_replayed", "_capture", "commit", "append_kv", "leave_blocks", "update",
-         "launch_plan", "graph_key", "rotate_query_bf16")
+PARTS = ("generate", "decode_attention", "decode_step", "_replayed", "_capture", "commit", "append_kv",
+         "leave_blocks", "update", "_grow", "launch_plan", "graph_key", "rotate_query_bf16")
 
 
 # The packaged models' configs (AutoConfig.from_pretrained of their GGUFs) and their zoo bundles.
@@ -70,14 +70,14 @@ def random_model(config_path: str | None, model: str | None):
 
 
 def counted_captures():
-    """Wrap decode._capture to count its calls; returns the counter (a one-element list)."""
+    """Count CUDA graph captures (decode_attention's and decode_step's); returns the counter (a one-element list)."""
     count = [0]
-    capture = decode._capture
+    begin = torch.cuda.CUDAGraph.capture_begin
 
-    def wrapped(*args, **kwargs):
+    def wrapped(self, *args, **kwargs):
         count[0] += 1
-        return capture(*args, **kwargs)
-    decode._capture = wrapped
+        return begin(self, *args, **kwargs)
+    torch.cuda.CUDAGraph.capture_begin = wrapped
     return count
 
 
@@ -110,6 +110,8 @@ def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
     steps = tokens - after
     stats = pstats.Stats(prof, stream=(buf := io.StringIO()))
     stats.sort_stats("tottime").print_stats(25)
+    if cache is not None:
+        stats.print_callees(r"cache.py:\d+\(attention\)")
     own = buf.getvalue()
     total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.stats.items())
     cum = [f"  profiled: {steps} steps, {total / steps * 1e3:.2f} ms a step of host time (under the profiler)"]
@@ -164,6 +166,12 @@ def main():
             with patched(arm):
                 print(f"### {arm}: cProfile of steps {PROFILE_AFTER}-{args.profile_tokens}", flush=True)
                 print(profile_call(model, caches[arm], ids, args.profile_tokens, PROFILE_AFTER), flush=True)
+        for _ in range(args.rounds):
+            for arm in ARMS:
+                with patched(arm):
+                    host, wall = layer_steps(model, caches[arm], ids)
+                print(f"#### {context} x {batch} {arm}: one layer's decode step alone, {host:.1f} µs of host time, "
+                      f"{wall:.1f} µs a step in a loop", flush=True)
         del caches
         torch.cuda.empty_cache()
 
@@ -172,15 +180,68 @@ def main():
 @contextlib.contextmanager
 def patched(arm: str):
     """The module attributes an arm changes, restored after."""
-    saved = decode.decode_attention, write.cached
+    saved = decode.decode_attention, decode.decode_step
     if arm == "oscar-direct":
         decode.decode_attention = functools.partial(saved[0], graph=False)
-    if arm == "oscar-jit":
-        write.cached = lambda fn: (lambda grid, *a, **k: fn[grid](*a, **k))
+        decode.decode_step = functools.partial(saved[1], graph=False)
+    if arm == "oscar-split":
+        def split(q, keys, values, write_step, cache, *args, **kwargs):
+            write_step(keys, values)
+            return saved[0](q, cache, *args, **kwargs)
+        decode.decode_step = split
     try:
         yield
     finally:
-        decode.decode_attention, write.cached = saved
+        decode.decode_attention, decode.decode_step = saved
+
+
+def layer_steps(model, cache, ids, steps: int = 300) -> tuple[float, float]:
+    """(µs of host time, µs of wall time) a decode step of one layer takes alone, looped at fixed buffers: the cache's
+    update and its attention (OscarCache: layer 0's update and kernel read after a prefill of ids; None: a
+    DynamicLayer's update, torch.cat, and sdpa as transformers calls it)."""
+    from transformers.cache_utils import DynamicLayer
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    c = model.config
+    batch, context = ids.shape
+    context -= steps + 8            # the store's capacity holds the steps
+    heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    d = getattr(c, "head_dim", None) or d
+    q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(batch, kv, 1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    with torch.inference_mode():
+        if cache is not None:
+            cache.reset()
+            with oscar_attention(model, cache):
+                model(ids[:, :context], attention_mask=torch.ones_like(ids[:, :context]), past_key_values=cache)
+            layer = cache.layers[0]
+            layer.kernel_reads = True
+
+            def step():
+                layer.update(k, v)
+                layer.decode_attention(q, d ** -0.5)
+        else:
+            layer = DynamicLayer()
+            layer.update(*(torch.randn(batch, kv, context, d, dtype=torch.bfloat16, device="cuda")
+                           for _ in range(2)))
+            module = model.model.layers[0].self_attn
+            q4 = q[:, :, None]
+
+            def step():
+                keys, values = layer.update(k, v)
+                sdpa_attention_forward(module, q4, keys, values, None, scaling=d ** -0.5)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if cache is not None:
+            layer.kernel_reads = False
+    return (t1 - t0) / steps * 1e6, (t2 - t0) / steps * 1e6
 
 
 def timed(model, cache, ids, tokens: int) -> float:

@@ -49,7 +49,7 @@ def main():
             args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, d ** -0.5)
             decode.decode_attention(*args, max_length=context, out=out)
             replays = list(cache.graphs.values())[-1]
-            graph, q_in, o = replays.graph, replays.q_in, replays.o
+            graph, (q_in,), o = replays.graph, replays.inputs, replays.o
             sdpa = shapes.sdpa_call(q, kv, context, gen)
 
             def key_only():

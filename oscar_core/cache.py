@@ -202,6 +202,7 @@ class OscarLayer(DynamicLayer):
         self.store: kvstore.Int2KVCache | None = None
         self.seen = 0
         self.pending = None         # a multi-token update waiting for the attention mask (oscar_attention)
+        self.step = None            # a decode step's token, written by the decode kernel's call (decode_attention)
         self.kernel_reads = False   # set by oscar_attention: single-token steps read by the decode kernel
         self.deferred = False       # the last update was a decode step whose read is left to the kernel
         self.warned = False         # a decode step meant for the kernel was read in torch (warned once)
@@ -281,14 +282,20 @@ class OscarLayer(DynamicLayer):
                     getattr(new, f.name)[:, :, :old.shape[2]] = old
         self.store = new
 
-    def commit(self, key_states: torch.Tensor, value_states: torch.Tensor, starts: torch.Tensor | None) -> None:
-        """Write a whole update into the store; starts[b]: leading pads of sequence b to skip (None: none)."""
-        seq, n = self.sequences, key_states.shape[-2]
+    def _grow(self, key_states: torch.Tensor, starts: torch.Tensor | None) -> None:
+        """Count an update in the shared lengths (the first layer to write does) and make room for it."""
+        seq = self.sequences
         if seq.counter is None:
             seq.counter = self.layer_idx
         if seq.counter == self.layer_idx:
-            seq.advance(key_states.shape[0], n, starts, key_states.device)
+            seq.advance(key_states.shape[0], key_states.shape[-2], starts, key_states.device)
         self._reserve(key_states.shape[0])
+
+    def commit(self, key_states: torch.Tensor, value_states: torch.Tensor, starts: torch.Tensor | None) -> None:
+        """Write a whole update into the store; starts[b]: leading pads of sequence b to skip (None: none)."""
+        self._flush()
+        n = key_states.shape[-2]
+        self._grow(key_states, starts)
         if self.write is not None and self.seen == 0:
             self.write.prefill_kv(self.store, key_states, value_states, *self.split, self.rotation.key_clip,
                                   self.rotation.value_clip)
@@ -303,12 +310,35 @@ class OscarLayer(DynamicLayer):
             kvstore.append(self.store, key_states, value_states, self.rotation, starts)
         self.seen += n
 
+    def _write_step(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The Triton write of a decode step's one token per sequence, into a store grown for it (_grow) that holds
+        a prefill: the same launches every step (what moves is the lengths on the device), so that
+        triton.decode.decode_step can capture them with the read."""
+        r = self.rotation
+        if self.key_axis == "channel":
+            self.write.leave_blocks(self.store, r.key_clip, r.value_clip, 1)
+        self.write.append_kv(self.store, keys, values, *self.split, r.key_clip, r.value_clip,
+                             evict=self.key_axis == "token")
+
+    def _flush(self) -> None:
+        """Write a decode step's token left for the decode kernel's call, if that call did not come."""
+        if self.step is not None:
+            (keys, values), self.step = self.step, None
+            self._write_step(keys, values)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         if self.key_store is not None:
             return self._update_sides(key_states, value_states)
+        self._flush()
+        if (n == 1 and self.kernel_reads and self.kernel_problem is None and self.write is not None and self.seen
+                and (self.key_axis == "token" or self.recent_tokens)):
+            self._grow(key_states, None)      # the token is written with the read, in one graph (decode_attention)
+            self.seen += 1
+            self.step, self.deferred = (key_states, value_states), True
+            return key_states, value_states   # placeholders, as below
         past = self.read(key_states.dtype, self.window and self.window - 1) if n > 1 and self.seen else None
         if n > 1 and self.kernel_reads:
             self.pending = (key_states, value_states)      # committed by oscar_attention, which sees the mask
@@ -360,6 +390,7 @@ class OscarLayer(DynamicLayer):
         skipped at write, are zeros); last: only the last `last` columns (a window's store holds its last N)."""
         if self.key_store is not None:
             return self.key_store.read(dtype, last), self.value_store.read(dtype, last)
+        self._flush()
         seq, store = self.sequences, self.store
         if self.seen < seq.seen:        # the first KV layer has counted the update this one is about to write
             lengths = seq.lengths - (seq.counts if seq.counts is not None else seq.seen - self.seen)
@@ -377,13 +408,17 @@ class OscarLayer(DynamicLayer):
         return out[0], out[1]
 
     def decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Triton decode attention of query [B, H, d] (original space) over the store -> [B, H, d]."""
-        from oscar_core.triton.decode import decode_attention
+        """Triton decode attention of query [B, H, d] (original space) over the store -> [B, H, d], the step's
+        token (update) written first, in the same CUDA graph where the call's buffers stay put (decode_step)."""
+        from oscar_core.triton.decode import decode_attention, decode_step
 
         r = self.rotation
-        return decode_attention(query.contiguous(), self.store, r.key_rotation,
-                                None if self.value_identity else r.value_rotation, r.value_mean, scaling,
-                                max_length=self.sequences.max_length())
+        args = (self.store, r.key_rotation, None if self.value_identity else r.value_rotation, r.value_mean, scaling)
+        if self.step is None:
+            return decode_attention(query.contiguous(), *args, max_length=self.sequences.max_length())
+        (keys, values), self.step = self.step, None
+        return decode_step(query.contiguous(), keys, values, self._write_step, *args,
+                           max_length=self.sequences.max_length())
 
     def get_seq_length(self) -> int:
         if self.key_store is not None:
@@ -394,7 +429,7 @@ class OscarLayer(DynamicLayer):
         return -1
 
     def reset(self) -> None:
-        self.key_store = self.value_store = self.store = self.pending = None
+        self.key_store = self.value_store = self.store = self.pending = self.step = None
         self.seen = 0
         self.is_initialized = False
 

@@ -244,6 +244,86 @@ def test_graph_replays_window_stores():
         greedy_generate(model, bf16, ids, torch.ones_like(mask), max_new_tokens=4, graph=True)
 
 
+def test_a_decode_step_left_unread_is_written_before_the_store_is_read():
+    """Inside oscar_attention update() leaves a decode step's token for the kernel's read to write (decode_step); a
+    torch read (or the next update) that comes first writes it, so the store holds what a plain update writes."""
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    caches = [make_cache("oscar", random_bundle(4, 16), True) for _ in range(2)]
+    for cache in caches:
+        with oscar_attention(model, cache):
+            model(ids, past_key_values=cache)
+    layer, twin = (c.layers[0] for c in caches)
+    k, v = (torch.randn(2, KV_HEADS, 1, HEAD_DIM, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+            for i in range(2))
+    layer.kernel_reads = True
+    layer.update(k, v)
+    assert layer.step is not None and layer.get_seq_length() == 31
+    want = twin.update(k, v)
+    got = layer.read(torch.float32)
+    assert layer.step is None and all(torch.equal(a, b) for a, b in zip(got, want))
+    layer.update(k, v)
+    layer.update(k, v)          # the step before is written first
+    twin.update(k, v)
+    twin.update(k, v)
+    assert all(torch.equal(a, b) for a, b in zip(layer.read(torch.float32), twin.read(torch.float32)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_decode_steps_at_fixed_addresses_replay_the_write_with_the_read(axis, monkeypatch):
+    """A layer's decode steps whose query, keys, values and output stay put (new values each step) replay one CUDA
+    graph of the token's write and the read from the second step at those addresses on (decode.decode_step): the
+    output and every byte of the store as the write launched and decode_attention called directly, while key
+    blocks leave the window (at lengths 84 and 148); steps whose buffers move replay the graph on buffers of its own,
+    the new tokens and the query copied in, and give the same."""
+    model = tiny_llama().bfloat16()
+    bundle = random_bundle(4, 16, channel_layers=(0,) if axis == "channel" else ())
+    ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    caches = [make_cache("oscar", bundle, True) for _ in range(2)]
+    for cache in caches:
+        with oscar_attention(model, cache):
+            model(ids, past_key_values=cache)
+    layer, twin = (c.layers[0] for c in caches)
+    assert layer.store.key_axis == axis and layer.write is not None
+    replayed = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replayed.append(g) or replay(g))
+    gen = torch.Generator().manual_seed(15)
+    fixed = (torch.empty(2, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE),
+             *(torch.empty(2, KV_HEADS, 1, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)))
+    steps_replayed, kept = 0, []
+    for step in range(80):
+        moving = step % 20 >= 16
+        q, k, v = (torch.empty_like(t) if moving else t for t in fixed)
+        if moving:
+            kept.append((q, k, v))      # never at an address of the calls before
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        for one in (layer, twin):
+            one.kernel_reads = True
+            assert one.update(k, v)[0] is k and one.step is not None
+        replayed.clear()
+        got = layer.decode_attention(q, HEAD_DIM ** -0.5)
+        entries = [entry for key, entry in layer.store.graphs.items() if key[0] == "step"]
+        at_addresses = [g for entry in entries for g in entry.direct.values()]
+        steps_replayed += any(g in at_addresses for g in replayed)
+        if moving:      # the step's own graph, the new tokens copied in (none on a key's first call)
+            assert {id(g) for g in replayed} <= {id(entry.graph) for entry in entries}, step
+        (tk, tv), twin.step = twin.step, None
+        twin._write_step(tk, tv)
+        r = twin.rotation
+        want = decode.decode_attention(q, twin.store, r.key_rotation, r.value_rotation, r.value_mean,
+                                       HEAD_DIM ** -0.5, caches[1].sequences.max_length(), graph=False)
+        assert torch.equal(got, want), step
+        del got, want   # as a model drops them: the next step's output lands where this one was
+    assert steps_replayed >= 55         # 64 steps at the fixed addresses, less the first two of each run
+    for name in ("key_sink", "key_recent", "key_codes", "key_scale", "key_zero", "value_recent", "value_codes",
+                 "value_scale", "value_zero", "lengths"):
+        assert torch.equal(getattr(layer.store, name), getattr(twin.store, name)), name
+    assert layer.store.lengths.tolist() == [150, 150] and layer.int2_tokens() == (128 if axis == "channel" else 130)
+
+
 def test_kernel_reads_fall_back():
     model = tiny_llama()
     cache = OscarCache(None, "kivi", num_layers=LAYERS, sink_tokens=4, recent_tokens=16, kernel_reads=True)

@@ -147,9 +147,10 @@ def test_eager_calls_replay_a_graph_kept_on_the_store():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_eager_calls_at_the_same_addresses_replay_a_graph_of_their_own():
-    """A call whose q and out are where the call before had them captures a graph reading and writing there, and
-    later calls at those addresses replay it with no copies: the bits of a direct call, for new query values and
-    changed lengths, with out given or not; calls whose buffers move keep the copying graph and capture nothing."""
+    """A call whose q and out are where one of the two calls before had them captures a graph reading and writing
+    there, and later calls at those addresses replay it with no copies: the bits of a direct call, for new query
+    values and changed lengths, with out given or not, at one address or two in turn; calls whose buffers move keep
+    the copying graph and capture nothing."""
     gen = torch.Generator().manual_seed(6)
     cache, layer, q = build(gen, [900, 321], 8, 2, 128, 64, 64)
     cache = to_device(cache)
@@ -172,10 +173,15 @@ def test_eager_calls_at_the_same_addresses_replay_a_graph_of_their_own():
         q.copy_(torch.randn(q.shape, generator=gen))
         out.zero_()
         assert call(q, out=out) is out and torch.equal(out, direct(q))
+    pair = [torch.empty_like(out) for _ in range(2)]   # outputs alternating: a graph at each, from their second call
+    for i in range(6):
+        assert torch.equal(call(q, out=pair[i % 2]), direct(q))
+    pairs = {(q.data_ptr(), o.data_ptr()) for o in pair}
+    assert set(replays().direct) == pairs
     moving = [(torch.randn(q.shape, generator=gen).to(DEVICE).bfloat16(), torch.empty_like(out)) for _ in range(3)]
     for qq, oo in moving * 2:
         assert torch.equal(call(qq, out=oo), direct(qq))
-    assert len(replays().direct) == 1
+    assert set(replays().direct) == pairs
     for _ in range(3):          # out=None: where the allocator hands the freed output back, a graph of its own
         assert torch.equal(call(q), direct(q))
     assert len(replays().direct) <= decode.DIRECT_GRAPHS

@@ -47,6 +47,7 @@ sink tokens that have left the window (SLIDE) and, with keys per channel, the IN
 block that have (HOLE, expired_rows). A window kept whole in BF16 (T = 0) is read by the window programs alone.
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -1136,10 +1137,9 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     if graph is None:
         graph = q.is_cuda and not torch.cuda.is_current_stream_capturing()
     if graph:
-        options = dict(max_length=None if max_length is None else _pow2(max_length), block_n=block_n,
-                       block_w=block_w, num_warps=num_warps, num_stages=num_stages, waves=waves, use_asm=use_asm,
-                       key_t=key_t, fused=fused, gluon=gluon, heads_per_program=heads_per_program, pdl=pdl,
-                       flat=flat)
+        options = _graph_options(max_length, block_n=block_n, block_w=block_w, num_warps=num_warps,
+                                 num_stages=num_stages, waves=waves, use_asm=use_asm, key_t=key_t, fused=fused,
+                                 gluon=gluon, heads_per_program=heads_per_program, pdl=pdl, flat=flat)
         return _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options)
     bsz, heads, d = q.shape
     has_mean = value_mean is not None
@@ -1186,20 +1186,30 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
     return out
 
 
+def _graph_options(max_length: int | None, block_n=None, block_w=64, num_warps=None, num_stages=None, waves=None,
+                   use_asm=None, key_t=None, fused=False, gluon=None, heads_per_program=None, pdl=None,
+                   flat=None) -> dict:
+    """The launch settings of a graph of decode_attention (every keyword but q's and the store's), max_length
+    rounded up to a power of two."""
+    return dict(max_length=None if max_length is None else _pow2(max_length), block_n=block_n, block_w=block_w,
+                num_warps=num_warps, num_stages=num_stages, waves=waves, use_asm=use_asm, key_t=key_t, fused=fused,
+                gluon=gluon, heads_per_program=heads_per_program, pdl=pdl, flat=flat)
+
+
 GRAPHS_PER_STORE = 4     # each holds its own work buffers (a private memory pool)
-DIRECT_GRAPHS = 2        # graphs at the caller's own addresses, per graph kept on the store
+DIRECT_GRAPHS = 2        # graphs at the caller's own addresses, per graph kept on the store; the calls looked back on
 _STORE_FIELDS = ("key_sink", "value_sink", "key_recent", "value_recent", "key_codes", "key_scale", "key_zero",
                  "value_codes", "value_scale", "value_zero", "lengths")
 
 
 @dataclasses.dataclass
 class _Replays:
-    """The CUDA graphs of one setting of decode_attention over one store (_replayed)."""
-    graph: torch.cuda.CUDAGraph     # reads q_in, writes o
-    q_in: torch.Tensor
+    """The CUDA graphs of one setting of a call over one store (_replay)."""
+    graph: torch.cuda.CUDAGraph     # reads inputs, writes o
+    inputs: tuple
     o: torch.Tensor
-    direct: dict = dataclasses.field(default_factory=dict)  # (q address, out address) -> graph reading, writing there
-    last: tuple | None = None       # the call before's (q address, out address)
+    direct: dict = dataclasses.field(default_factory=dict)  # the call's addresses -> graph reading, writing there
+    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=DIRECT_GRAPHS))
 
 
 def graph_key(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options: dict) -> tuple:
@@ -1211,58 +1221,99 @@ def graph_key(q, out, cache, key_rotation, value_rotation, value_mean, scaling, 
             tuple(options.values()), tuple(getattr(cache, f).data_ptr() for f in _STORE_FIELDS))
 
 
-def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options: dict) -> torch.Tensor:
-    """decode_attention(q, ..., graph=False, **options) as one CUDA-graph replay. The graph is captured after the
-    first direct call with the same arguments and kept in cache.graphs under graph_key, so it never outlives the
-    tensors it reads and a call that matches its key reads exactly the call's tensors; the GRAPHS_PER_STORE latest are kept.
-    A call copies q into the graph's own query, replays it and copies its output out, unless its q and out are
-    where the call before had them (a caller with fixed buffers, or an allocator handing the same blocks back):
-    then a graph reading that q and writing that out is captured, and calls at those addresses replay it alone.
-    A copy costs more host time than the replay (H200: 7-11 µs each against 3-6, bench/results/eager_parts_h200.txt).
-    Calls on one stream at a time."""
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    key = graph_key(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options)
-    where = (q.data_ptr(), out.data_ptr()) if q.is_contiguous() and out.is_contiguous() else None
-    hit = cache.graphs.get(key)
+def _replay(graphs: dict, key: tuple, launches, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+    """launches(*inputs, out) as one CUDA-graph replay; key: what the launches depend on besides the inputs' and
+    out's addresses (graph_key). The graph is captured after the first direct call of a key, on inputs and an
+    output of its own, and kept in graphs (a store's, so it never outlives the tensors it reads); the
+    GRAPHS_PER_STORE latest keys are kept. A call copies its inputs into the graph's, replays it and copies its
+    output out, unless its inputs and out are where one of the DIRECT_GRAPHS calls before had them (a caller with
+    fixed buffers, or an allocator handing the same blocks back, every step or every other step): then a graph
+    reading those inputs and writing that out is captured, and calls at those addresses replay it alone. A copy
+    costs more host time than the replay (H200: 7-11 µs each against 3-6, bench/results/eager_parts_h200.txt), so the
+    inputs go in one launch. Calls on one stream at a time."""
+    tensors = inputs + (out,)
+    where = tuple(t.data_ptr() for t in tensors) if all(t.is_contiguous() for t in tensors) else None
+    hit = graphs.get(key)
     if hit is None:
-        decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False, **options)
-        while len(cache.graphs) >= GRAPHS_PER_STORE:    # the oldest goes (a context that grew past its bucket)
-            cache.graphs.pop(next(iter(cache.graphs)))
-        q_in, o = q.clone(memory_format=torch.contiguous_format), torch.empty_like(out)
-        graph = _capture(q_in, o, cache, key_rotation, value_rotation, value_mean, scaling, options)
-        cache.graphs[key] = _Replays(graph, q_in, o, last=where)
+        launches(*inputs, out)
+        while len(graphs) >= GRAPHS_PER_STORE:    # the oldest goes (a context that grew past its bucket)
+            graphs.pop(next(iter(graphs)))
+        own, o = tuple(t.clone(memory_format=torch.contiguous_format) for t in inputs), torch.empty_like(out)
+        hit = graphs[key] = _Replays(_graph_of(lambda: launches(*own, o), out.device), own, o)
+        hit.recent.append(where)
         return out
     direct = hit.direct.get(where)
     if direct is not None:
         direct.replay()
         return out
-    hit.q_in.copy_(q)
+    torch._foreach_copy_(hit.inputs, inputs)
     hit.graph.replay()
     out.copy_(hit.o)
-    if where is not None and where == hit.last:
+    if where is not None and where in hit.recent:
         while len(hit.direct) >= DIRECT_GRAPHS:
             hit.direct.pop(next(iter(hit.direct)))
-        hit.direct[where] = _capture(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options,
-                                     pool=hit.graph.pool())
-    hit.last = where
+        hit.direct[where] = _graph_of(lambda: launches(*inputs, out), out.device, hit.graph.pool())
+    hit.recent.append(where)
     return out
 
 
-def _capture(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options: dict,
-             pool=None) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of decode_attention(q, ..., out=out, graph=False, **options), captured on a side stream. pool: the
-    memory pool of a graph it shares its work buffers with (never replayed at the same time)."""
+def _replayed(q, cache, key_rotation, value_rotation, value_mean, scaling, out, options: dict) -> torch.Tensor:
+    """decode_attention(q, ..., graph=False, **options) as one CUDA-graph replay (_replay), kept in cache.graphs
+    under graph_key."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+    def launches(q, out):
+        decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False, **options)
+    key = graph_key(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options)
+    return _replay(cache.graphs, key, launches, (q,), out)
+
+
+def _graph_of(launches, device, pool=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of what launches() launches, captured on a side stream (in the memory pool of a graph never
+    replayed at the same time, or None: a pool of its own)."""
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(q.device)
-    stream.wait_stream(torch.cuda.current_stream(q.device))
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False,
-                         **options)
+        launches()
         graph.capture_end()
-    torch.cuda.current_stream(q.device).wait_stream(stream)
+    torch.cuda.current_stream(device).wait_stream(stream)
     return graph
+
+
+def decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, write, cache: Int2KVCache,
+                key_rotation: torch.Tensor, value_rotation: torch.Tensor | None, value_mean: torch.Tensor | None,
+                scaling: float, max_length: int | None = None, out: torch.Tensor | None = None,
+                graph: bool | None = None) -> torch.Tensor:
+    """A decode step's whole work on one layer's store: write(keys, values) (the new token's launches), then
+    decode_attention(q, cache, ...) over the store that now holds it -> [B, H, d].
+
+    graph (None: on CUDA when no capture is under way, an eager caller): both, the write's launches and then the
+    decode programs, as one CUDA-graph replay (_replay: the query, keys and values copied into the graph's in one
+    launch, or the graph at the call's own addresses): a step's host work is then one replay a layer. The graphs
+    are kept in cache.graphs beside decode_attention's, so they never outlive what they read; a call that matches
+    one's key (write, the new tokens' shapes and strides, graph_key) reads exactly its own tensors. write: a
+    function of (keys, values), or a method of the store's one writer (its function is the key, so that the
+    store's graphs hold no reference to their owner), that launches the same every step: what changes between
+    steps is read on the device (the store's lengths)."""
+    if graph is None:
+        graph = q.is_cuda and not torch.cuda.is_current_stream_capturing()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if not graph:
+        write(keys, values)
+        return decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, max_length, out=out,
+                                graph=False)
+    options = _graph_options(max_length)
+
+    def launches(q, keys, values, out):
+        write(keys, values)
+        decode_attention(q, cache, key_rotation, value_rotation, value_mean, scaling, out=out, graph=False, **options)
+    key = (("step", getattr(write, "__func__", write), keys.shape, keys.stride(), values.stride(), keys.dtype,
+            values.dtype) + graph_key(q, out, cache, key_rotation, value_rotation, value_mean, scaling, options))
+    return _replay(cache.graphs, key, launches, (q, keys, values), out)
 
 
 @dataclasses.dataclass(frozen=True)
