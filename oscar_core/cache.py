@@ -40,8 +40,9 @@ stored past plus themselves as computed (in flight).
 
 Reads. Torch: the store dequantized back to original space, [B, H_kv, L, d], each sequence's tokens
 right-aligned (so a left-padded batch lines up with its attention mask). Kernel: inside
-`with oscar_attention(model, cache):` (on CUDA, or kernel_reads=True) a single-token step only writes,
-and the attention function runs triton.decode.decode_attention on the store as it is. There, the
+`with oscar_attention(model, cache):` (on CUDA, or kernel_reads=True) a single-token step only counts the
+token, and the attention function writes it and reads the store by triton.decode.decode_step (with the Triton
+writes, one CUDA-graph replay a layer on CUDA; else triton.decode.decode_attention after the write). There, the
 prefill's write waits for the attention function, which sees the attention mask: a sequence's
 leading pads are skipped, so its store starts at its first real token and ragged batches decode by
 kernel with per-sequence lengths. A step that reads by kernel does no host synchronisation and no
@@ -409,7 +410,7 @@ class OscarLayer(DynamicLayer):
 
     def decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Triton decode attention of query [B, H, d] (original space) over the store -> [B, H, d], the step's
-        token (update) written first, in the same CUDA graph where the call's buffers stay put (decode_step)."""
+        token (left by update) written first: both one CUDA-graph replay on CUDA (decode_step)."""
         from oscar_core.triton.decode import decode_attention, decode_step
 
         r = self.rotation
@@ -742,11 +743,11 @@ def _mask_starts(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
 def oscar_attention(model, cache: OscarCache):
     """Attention of `model` reading `cache` by the Triton decode kernel on single-token steps.
 
-    Inside, every attention layer runs exact sdpa, except a decode step (one query token) of a layer
-    the kernel can read (kernel_problem), which runs triton.decode.decode_attention on the layer's store
-    instead of dequantizing it; the decode step then needs no attention mask (the store knows each
-    sequence's length), so none is built. A multi-token update is written once this function sees its
-    mask, skipping each sequence's leading pads. Nothing is changed unless the cache reads by kernel
+    Inside, every attention layer runs exact sdpa, except a decode step (one query token) of a layer the kernel
+    can read (kernel_problem), which writes the step's token and runs the decode kernel on the layer's store
+    (OscarLayer.decode_attention) instead of dequantizing it; the decode step then needs no attention mask (the
+    store knows each sequence's length), so none is built. A multi-token update is written once this function
+    sees its mask, skipping each sequence's leading pads. Nothing is changed unless the cache reads by kernel
     (kernel_reads, or by default a model on CUDA).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
