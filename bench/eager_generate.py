@@ -27,6 +27,7 @@ import cProfile
 import functools
 import io
 import pstats
+import sys
 import time
 from pathlib import Path
 
@@ -36,9 +37,12 @@ from oscar_core.bundle import load_bundle
 from oscar_core.cache import OscarCache, oscar_attention
 from oscar_core.triton import decode
 
+sys.path.insert(0, "bench")
+from eager_parts import wall  # noqa: E402
+
 ARMS = ("oscar", "oscar-split", "oscar-direct", "bf16")
 PROFILE_AFTER = 8      # the steps the profile leaves out (the graphs are captured on the first two)
-PARTS = ("generate", "decode_attention", "decode_step", "_replayed", "_capture", "commit", "append_kv",
+PARTS = ("generate", "decode_attention", "decode_step", "_replayed", "_replay", "commit", "append_kv",
          "leave_blocks", "update", "_grow", "launch_plan", "graph_key", "rotate_query_bf16")
 
 
@@ -196,15 +200,16 @@ def patched(arm: str):
 
 
 def layer_steps(model, cache, ids, steps: int = 300) -> tuple[float, float]:
-    """(µs of host time, µs of wall time) a decode step of one layer takes alone, looped at fixed buffers: the cache's
-    update and its attention (OscarCache: layer 0's update and kernel read after a prefill of ids; None: a
-    DynamicLayer's update, torch.cat, and sdpa as transformers calls it)."""
+    """(µs of host time, µs of wall time) a decode step of one layer takes alone, looped at fixed buffers (eager_parts'
+    wall: 10 steps' warm-up, then `steps`): the cache's update and its attention (OscarCache: layer 0's update and
+    kernel read after a prefill of ids' first tokens; None: a DynamicLayer's update, torch.cat, and sdpa as
+    transformers calls it)."""
     from transformers.cache_utils import DynamicLayer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     c = model.config
     batch, context = ids.shape
-    context -= steps + 8            # the store's capacity holds the steps
+    context -= steps + 16           # the store's capacity holds the steps and wall's warm-up
     heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     d = getattr(c, "head_dim", None) or d
     q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
@@ -230,18 +235,10 @@ def layer_steps(model, cache, ids, steps: int = 300) -> tuple[float, float]:
             def step():
                 keys, values = layer.update(k, v)
                 sdpa_attention_forward(module, q4, keys, values, None, scaling=d ** -0.5)
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        host, finished = wall(step, steps)
         if cache is not None:
             layer.kernel_reads = False
-    return (t1 - t0) / steps * 1e6, (t2 - t0) / steps * 1e6
+    return host, finished
 
 
 def timed(model, cache, ids, tokens: int) -> float:
