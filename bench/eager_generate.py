@@ -10,15 +10,16 @@ prompts. Arms:
 Per arm, after a warm-up call (Triton compiles there): model.generate of 1, 8 and 40 new tokens, each on a fresh
 cache; the steady step is (t40 − t8) / 32, the first steps' extra (graph captures) t8 − t1 − 7 steps, the prefill
 t1; the arms interleaved, 3 rounds (--rounds), each arm's round with the fastest steady step kept. Then, for the
-oscar and bf16 arms, a cProfile of steps 8-40 of one call (switched on by a logits processor, so without the
-prefill and the captures): the host functions with the most time of their own, and a step's share of each part.
+oscar and bf16 arms, steps 8-40 of one call (the profilers switched on by a logits processor, so without the
+prefill and the captures) under cProfile (the host functions with the most time of their own, a step's share of
+each part) and under torch.profiler (the device's busy time a step against the step's, its top kernels); and every
+arm's decode step of one layer alone, looped at fixed buffers (layer_steps), once a round.
 
     PYTHONPATH=. python3 bench/eager_generate.py --model qwen2.5-coder-0.5b --points 32000x1,8192x8 \\
         > bench/results/eager_generate_qwen_h200.txt
     PYTHONPATH=. python3 bench/eager_generate.py --model smollm2-135m --points 8000x1 \\
         > bench/results/eager_generate_smollm2_h200.txt
-(The configs are the packaged GGUFs' as transformers reads them; the results files were made with --config, those
-configs saved as JSON.)
+(The results files of v38 in kernel_notes.md were made before the torch.profiler part was added.)
 """
 
 import argparse
@@ -85,13 +86,13 @@ def counted_captures():
     return count
 
 
-def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
-    """cProfile of the decode steps after the first `after` of one model.generate call of `tokens` new tokens
-    (cache None: DynamicCache): the profiler is switched on by a logits processor, so neither the prefill nor the
-    first steps' graph captures are in it."""
+def generate_between(model, cache, ids, tokens: int, after: int, start, stop) -> float:
+    """One model.generate call of `tokens` new tokens on a fresh cache (None: DynamicCache), start() called at step
+    `after` (by a logits processor, so neither the prefill nor the first steps' graph captures come after it) and
+    stop() at the end; returns the seconds between them, the device synchronized at both ends."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    prof = cProfile.Profile()
+    began = []
 
     class Start(LogitsProcessor):
         calls = 0
@@ -100,7 +101,8 @@ def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
             Start.calls += 1
             if Start.calls == after:
                 torch.cuda.synchronize()
-                prof.enable()
+                began.append(time.perf_counter())
+                start()
             return scores
 
     mask = torch.ones_like(ids)
@@ -110,12 +112,18 @@ def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens,
                        min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([Start()]))
         torch.cuda.synchronize()
-        prof.disable()
+        stop()
+    return time.perf_counter() - began[0]
+
+
+def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
+    """cProfile of the decode steps after the first `after` of one model.generate call (generate_between): the host
+    functions with the most time of their own, and a step's share of each of PARTS."""
+    prof = cProfile.Profile()
+    generate_between(model, cache, ids, tokens, after, prof.enable, prof.disable)
     steps = tokens - after
     stats = pstats.Stats(prof, stream=(buf := io.StringIO()))
     stats.sort_stats("tottime").print_stats(25)
-    if cache is not None:
-        stats.print_callees(r"cache.py:\d+\(attention\)")
     own = buf.getvalue()
     total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.stats.items())
     cum = [f"  profiled: {steps} steps, {total / steps * 1e3:.2f} ms a step of host time (under the profiler)"]
@@ -124,6 +132,30 @@ def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
             cum.append(f"  {name} ({Path(file).name}:{line}): {nc / steps:.0f} calls a step, "
                        f"{ct / steps * 1e3:.2f} ms a step cumulative, {ct / max(nc, 1) * 1e6:.1f} µs a call")
     return own[own.find("ncalls") - 40:] + "\n".join(sorted(cum))
+
+
+def device_profile(model, cache, ids, tokens: int, after: int = 8, top: int = 10) -> str:
+    """torch.profiler of the same steps: the device's busy time a step (the union of its kernels' and copies'
+    intervals, every stream) against the step's wall time, so whether a step waits on the host or on the device;
+    and the kernels with the most device time a step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    wall = generate_between(model, cache, ids, tokens, after, prof.start, prof.stop)
+    steps = tokens - after
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    busy, reach, by_name = 0.0, float("-inf"), {}
+    for begin, end, name in spans:
+        busy += max(end - max(begin, reach), 0)
+        reach = max(reach, end)
+        by_name[name] = by_name.get(name, 0.0) + end - begin
+    lines = [f"  device: {busy / steps / 1e3:.2f} ms busy a step of {wall / steps * 1e3:.2f} ms (under the "
+             f"profiler), {len(spans) / steps:.0f} device activities a step"]
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {us / steps:9.1f} µs a step  {name[:100]}")
+    return "\n".join(lines)
 
 
 def main():
@@ -170,6 +202,8 @@ def main():
             with patched(arm):
                 print(f"### {arm}: cProfile of steps {PROFILE_AFTER}-{args.profile_tokens}", flush=True)
                 print(profile_call(model, caches[arm], ids, args.profile_tokens, PROFILE_AFTER), flush=True)
+                print(f"### {arm}: torch.profiler of steps {PROFILE_AFTER}-{args.profile_tokens}", flush=True)
+                print(device_profile(model, caches[arm], ids, args.profile_tokens, PROFILE_AFTER), flush=True)
         for _ in range(args.rounds):
             for arm in ARMS:
                 with patched(arm):
