@@ -657,6 +657,7 @@ def test_channel_key_write_kernels_match_reference():
                         on["value_clip"], evict=False)
 
 
+@pytest.mark.slow      # 42 s on the CPU; keys per channel stay in the fast suite beside a sliding layer (below)
 def test_mixed_bundle_kernel_reads_match_torch_reads():
     """Keys per channel in layer 0 (blocks of 64 tokens), per token in layer 1, a left-padded batch: written by
     the Triton kernels (leave_blocks + append_kv on decode steps) and read by the decode kernel, against each
