@@ -142,7 +142,7 @@ def device_profile(model, cache, ids, tokens: int, after: int = 8, top: int = 10
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    wall = generate_between(model, cache, ids, tokens, after, prof.start, prof.stop)
+    seconds = generate_between(model, cache, ids, tokens, after, prof.start, prof.stop)
     steps = tokens - after
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == DeviceType.CUDA)
@@ -151,7 +151,7 @@ def device_profile(model, cache, ids, tokens: int, after: int = 8, top: int = 10
         busy += max(end - max(begin, reach), 0)
         reach = max(reach, end)
         by_name[name] = by_name.get(name, 0.0) + end - begin
-    lines = [f"  device: {busy / steps / 1e3:.2f} ms busy a step of {wall / steps * 1e3:.2f} ms (under the "
+    lines = [f"  device: {busy / steps / 1e3:.2f} ms busy a step of {seconds / steps * 1e3:.2f} ms (under the "
              f"profiler), {len(spans) / steps:.0f} device activities a step"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {us / steps:9.1f} µs a step  {name[:100]}")
@@ -207,9 +207,9 @@ def main():
         for _ in range(args.rounds):
             for arm in ARMS:
                 with patched(arm):
-                    host, wall = layer_steps(model, caches[arm], ids)
+                    host, finished = layer_steps(model, caches[arm], ids)
                 print(f"#### {context} x {batch} {arm}: one layer's decode step alone, {host:.1f} µs of host time, "
-                      f"{wall:.1f} µs a step in a loop", flush=True)
+                      f"{finished:.1f} µs a step in a loop", flush=True)
         del caches
         torch.cuda.empty_cache()
 

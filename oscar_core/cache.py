@@ -334,18 +334,17 @@ class OscarLayer(DynamicLayer):
         if self.key_store is not None:
             return self._update_sides(key_states, value_states)
         self._flush()
-        if (n == 1 and self.kernel_reads and self.kernel_problem is None and self.write is not None and self.seen
+        past = self.read(key_states.dtype, self.window and self.window - 1) if n > 1 and self.seen else None
+        self.deferred = n == 1 and self.kernel_reads and self.kernel_problem is None
+        if (self.deferred and self.write is not None and self.seen
                 and (self.key_axis == "token" or self.recent_tokens)):
             self._grow(key_states, None)      # the token is written with the read, in one graph (decode_attention)
             self.seen += 1
-            self.step, self.deferred = (key_states, value_states), True
-            return key_states, value_states   # placeholders, as below
-        past = self.read(key_states.dtype, self.window and self.window - 1) if n > 1 and self.seen else None
-        if n > 1 and self.kernel_reads:
+            self.step = (key_states, value_states)
+        elif n > 1 and self.kernel_reads:
             self.pending = (key_states, value_states)      # committed by oscar_attention, which sees the mask
         else:
             self.commit(key_states, value_states, None)
-        self.deferred = n == 1 and self.kernel_reads and self.kernel_problem is None
         if n == 1 and self.kernel_reads and self.kernel_problem is not None and not self.warned:
             self.warned = True
             warnings.warn(f"OscarCache layer {self.layer_idx}: torch reads ({self.kernel_problem})", stacklevel=2)
