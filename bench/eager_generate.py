@@ -19,7 +19,10 @@ arm's decode step of one layer alone, looped at fixed buffers (layer_steps), onc
         > bench/results/eager_generate_qwen_h200.txt
     PYTHONPATH=. python3 bench/eager_generate.py --model smollm2-135m --points 8000x1 \\
         > bench/results/eager_generate_smollm2_h200.txt
-(The results files of v38 in kernel_notes.md were made before the torch.profiler part was added.)
+    PYTHONPATH=. python3 bench/eager_generate.py --model qwen2.5-coder-0.5b --points 32000x1 \\
+        > bench/results/eager_generate_profile_qwen32k_h200.txt
+(The results files of v38 in kernel_notes.md were made before the torch.profiler part was added; the last, v39,
+after.)
 """
 
 import argparse
@@ -131,19 +134,25 @@ def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
         if name in PARTS + ("attention",) and "oscar_core" in file or name == "sdpa_attention_forward":
             cum.append(f"  {name} ({Path(file).name}:{line}): {nc / steps:.0f} calls a step, "
                        f"{ct / steps * 1e3:.2f} ms a step cumulative, {ct / max(nc, 1) * 1e6:.1f} µs a call")
-    return own[own.find("ncalls") - 40:] + "\n".join(sorted(cum))
+    return own[own.rfind("\n", 0, own.find("List reduced")) + 1:] + "\n".join(sorted(cum))
 
 
 def device_profile(model, cache, ids, tokens: int, after: int = 8, top: int = 10) -> str:
-    """torch.profiler of the same steps: the device's busy time a step (the union of its kernels' and copies'
-    intervals, every stream) against the step's wall time, so whether a step waits on the host or on the device;
-    and the kernels with the most device time a step."""
-    from torch.autograd import DeviceType
+    """torch.profiler of the same steps (profile_summary)."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     seconds = generate_between(model, cache, ids, tokens, after, prof.start, prof.stop)
-    steps = tokens - after
+    return profile_summary(prof, tokens - after, seconds, top)
+
+
+def profile_summary(prof, steps: int, seconds: float, top: int = 10) -> str:
+    """A torch.profiler run of `steps` decode steps in `seconds`: the device's busy time a step (the union of its
+    kernels' and copies' intervals, every stream) against the step's wall time, so whether a step waits on the host
+    or on the device; the kernels with the most device time a step; the host's runtime calls (a synchronize or a
+    device-to-host copy stalls the host until the device drains) and its torch operators, a step."""
+    from torch.autograd import DeviceType
+
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == DeviceType.CUDA)
     busy, reach, by_name = 0.0, float("-inf"), {}
@@ -155,6 +164,17 @@ def device_profile(model, cache, ids, tokens: int, after: int = 8, top: int = 10
              f"profiler), {len(spans) / steps:.0f} device activities a step"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {us / steps:9.1f} µs a step  {name[:100]}")
+    runtime, ops = {}, {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU:
+            continue
+        table = runtime if e.name.startswith(("cuda", "cu")) else ops
+        calls, us = table.get(e.name, (0, 0.0))
+        table[e.name] = (calls + 1, us + e.time_range.end - e.time_range.start)
+    for title, table in (("runtime calls", runtime), ("host operators (inclusive)", ops)):
+        lines.append(f"  {title}, most time first:")
+        for name, (calls, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"  {calls / steps:7.1f} a step {us / steps:9.1f} µs a step  {name[:90]}")
     return "\n".join(lines)
 
 

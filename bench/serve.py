@@ -33,6 +33,8 @@ A torch.profiler trace of one eager decode step counts host-to-device copies, sy
 
     python3 bench/serve.py --out bench/results/serve.md
     python3 bench/serve.py --model Qwen3-32B --layers 24 --out bench/results/serve_qwen3_32b.md   (GQA 8)
+    python3 bench/serve.py --quick --arms bf16-dynamic,bf16-flash,int2-eager,int2-graph \\
+        --points 32768x8,102400x4,32768x1 --out bench/results/serve_eager_h200.md   (the eager arms beside the graphs)
 """
 
 import argparse
@@ -53,6 +55,7 @@ from oscar_core.cache import OscarCache, memory_plan
 from oscar_core.decode_graph import GreedyDecoder
 
 GIB = 2 ** 30
+ARMS = ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
 SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
          "aten::_local_scalar_dense"}
 
@@ -355,6 +358,8 @@ def main():
     p.add_argument("--key-axis", default="token", choices=("token", "channel"), help="the bundle's keys, every layer")
     p.add_argument("--quick", action="store_true",
                    help="only the points, arms bf16-flash, int2-eager and int2-graph (no profile, prefill or max batch)")
+    p.add_argument("--arms", default=None, help="comma separated: the arms at every point (default: by --quick and "
+                   "the context)")
     p.add_argument("--absorb-values", action="store_true",
                    help="also int2-graph-absorbed, after the other arms (the model's v_proj / o_proj changed in place)")
     p.add_argument("--compile", action="store_true",
@@ -363,6 +368,8 @@ def main():
                    help="how the INT2 stores keep their value codes (kvstore.Int2KVCache)")
     args = p.parse_args()
     args.layers = args.layers or SHAPES[args.model]["layers"]
+    if args.arms and not set(args.arms.split(",")) <= set(ARMS):
+        p.error(f"--arms: each of {', '.join(ARMS)}")
     VALUE_LAYOUT[0] = args.value_layout
 
     props = torch.cuda.get_device_properties(0)
@@ -399,6 +406,8 @@ def main():
                 ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
             if quick:
                 arms = ("bf16-flash", "int2-eager", "int2-graph")
+            if args.arms:
+                arms = tuple(args.arms.split(","))
             for arm in ("int2-graph-absorbed",) if absorbed else arms:
                 res["points"].append(run_point(model, bundle, arm, batch, context, args.steps))
     # The largest batch at this context that fits beside the weights (2 GiB kept for activations and work).
