@@ -48,14 +48,17 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
 
 
 def loop_ops(sass: str) -> tuple[int, dict]:
-    """Instruction count of the largest loop body (a backward branch and its target) and its opcodes."""
+    """Instruction count of the largest loop body (a backward branch and its target, holding no unpredicated EXIT:
+    a wait's retry path placed after the kernel's end branches back into the loop too) and its opcodes."""
     body = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     best, seg = 0, []
     for a, ins in body:
         m = re.search(r"BRA (0x[0-9a-f]+)", ins)
         if m and int(m.group(1), 16) <= a and (a - int(m.group(1), 16)) // 16 + 1 > best:
             t = int(m.group(1), 16)
-            best, seg = (a - t) // 16 + 1, [x for x in body if t <= x[0] <= a]
+            inside = [x for x in body if t <= x[0] <= a]
+            if not any(x[1].strip() == "EXIT" for x in inside):
+                best, seg = (a - t) // 16 + 1, inside
     ops = {}
     for _, ins in seg:
         op = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ins)
