@@ -458,7 +458,8 @@ class OscarLayer(DynamicLayer):
 
 
 class OscarCache(Cache):
-    """INT2 KV cache for `model.generate(..., past_key_values=OscarCache(bundle, "oscar"))`.
+    """INT2 KV cache for `model.generate(..., past_key_values=OscarCache(bundle, "oscar"))` (`cache=` in recent
+    transformers, 5.24 here: models.cache_argument).
 
     method: one of methods.METHODS; bundle: needed for "oscar", and gives the layer count, the group
     sizes, the BF16 windows and the layers' kinds (layers.manifest_specs); without a bundle pass config=model.config

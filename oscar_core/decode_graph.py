@@ -21,6 +21,7 @@ import torch
 
 from oscar_core.cache import OscarCache, oscar_attention
 from oscar_core.errors import OscarError
+from oscar_core.models import cache_argument
 
 
 class GreedyDecoder:
@@ -60,7 +61,8 @@ class GreedyDecoder:
         if "cache_position" in inspect.signature(model.forward).parameters:   # older transformers
             prefill["cache_position"] = torch.arange(past, past + n, device=dev)
             self.extra["cache_position"] = torch.arange(past + n, past + n + 1, device=dev)
-        logits = model(ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
+        self.cache_kwarg = {cache_argument(model): cache}
+        logits = model(ids, attention_mask=mask, position_ids=position, **self.cache_kwarg, use_cache=True,
                        logits_to_keep=1, **prefill).logits[:, -1]
         self.ids = logits.argmax(-1, keepdim=True)
         self.tokens = torch.zeros(bsz, self.max_new_tokens, dtype=torch.long, device=dev)
@@ -80,7 +82,7 @@ class GreedyDecoder:
     def _step(self):
         if self.mask is not None:
             self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        out = self.model(self.ids, attention_mask=self.mask, position_ids=self.position, past_key_values=self.cache,
+        out = self.model(self.ids, attention_mask=self.mask, position_ids=self.position, **self.cache_kwarg,
                          use_cache=True, **self.extra).logits[:, -1]
         self.ids.copy_(out.argmax(-1, keepdim=True))
         self.tokens.index_copy_(1, self.index, self.ids)

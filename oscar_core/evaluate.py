@@ -22,6 +22,7 @@ from oscar_core import methods
 from oscar_core.cache import OscarCache, exact_cache, fill, oscar_attention
 from oscar_core.data import DEFAULT_HELDOUT, texts, token_windows
 from oscar_core.errors import OscarError
+from oscar_core.models import cache_argument
 from oscar_core.simulate import simulate_int2
 
 NEEDLE_INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -142,13 +143,14 @@ def needle_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[st
     cache. A hybrid model's layers without a KV cache start every method's decode from a copy of their prefill state."""
     ids = prompt[None].to(model.device)
     prefill = exact_cache(OscarCache(bundle, "bf16", num_layers=num_layers))
-    model(input_ids=ids[:, :-1], past_key_values=prefill, use_cache=True, logits_to_keep=1)
+    cache_arg = cache_argument(model)
+    model(input_ids=ids[:, :-1], **{cache_arg: prefill}, use_cache=True, logits_to_keep=1)
     out = {}
     for m in method_names:
         # Allocated for the prompt and the answer exactly, so the bytes reported are what the cache holds.
         cache = fill(OscarCache(bundle, m, num_layers=num_layers, capacity=ids.shape[1] + ANSWER_TOKENS), prefill)
         with oscar_attention(model, cache):
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_arg: cache},
                                  max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         out[m] = (tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), cache.get_seq_length(),
                   cache.nbytes(), cache.bf16_nbytes())

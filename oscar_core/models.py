@@ -3,6 +3,7 @@
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import io
 import json
 import logging
@@ -31,6 +32,12 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     info: ModelInfo
+
+
+def cache_argument(model) -> str:
+    """The keyword a model's forward and generate take the KV cache by: `cache` where transformers has renamed it
+    (5.2x, its `past_key_values` deprecated there and removed from forward in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def default_gguf_path() -> Path:

@@ -178,7 +178,12 @@ def test_mask_with_a_gap_is_refused():
 
 
 def test_greedy_decoder_eager_matches_generate():
+    """greedy_generate's eager steps give generate's tokens, and hand the model its cache by the keyword this
+    transformers takes (no deprecation warning)."""
+    import warnings
+
     from oscar_core.decode_graph import greedy_generate
+    from oscar_core.models import cache_argument
 
     model = tiny_llama()
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(7)).to(DEVICE)
@@ -186,9 +191,13 @@ def test_greedy_decoder_eager_matches_generate():
     mask[1, :6] = 0                                   # left padding: torch reads need the grown mask each step
     for m in (None, mask):
         want = model.generate(ids, attention_mask=torch.ones_like(ids) if m is None else m, max_new_tokens=6,
-                              past_key_values=make_cache("int2", None, False), do_sample=False, pad_token_id=0)
+                              **{cache_argument(model): make_cache("int2", None, False)}, do_sample=False,
+                              pad_token_id=0)
         cache = make_cache("int2", None, False)
-        got = greedy_generate(model, cache, ids, m, max_new_tokens=6, graph=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = greedy_generate(model, cache, ids, m, max_new_tokens=6, graph=False)
+        assert not [w for w in caught if "past_key_values" in str(w.message)]
         assert torch.equal(got, want[:, 30:]) and cache.get_seq_length() == 35
 
 
