@@ -134,7 +134,7 @@ def profile_call(model, cache, ids, tokens: int, after: int = 8) -> str:
         if name in PARTS + ("attention",) and "oscar_core" in file or name == "sdpa_attention_forward":
             cum.append(f"  {name} ({Path(file).name}:{line}): {nc / steps:.0f} calls a step, "
                        f"{ct / steps * 1e3:.2f} ms a step cumulative, {ct / max(nc, 1) * 1e6:.1f} µs a call")
-    return own[own.rfind("\n", 0, own.find("List reduced")) + 1:] + "\n".join(sorted(cum))
+    return own[own.rfind("\n", 0, own.find("ncalls")) + 1:] + "\n".join(sorted(cum))
 
 
 def device_profile(model, cache, ids, tokens: int, after: int = 8, top: int = 10) -> str:

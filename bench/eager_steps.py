@@ -54,9 +54,10 @@ def main():
                     torch.cuda.synchronize()
                     rows.append(((time.perf_counter() - t) * 1e3, captures[0]))
                 steady = sorted(ms for ms, _ in rows[2:])
-                print(f"## {context} x {batch} {arm}: steps after the second, ms: median {steady[len(steady) // 2]:.1f}, "
-                      f"min {steady[0]:.1f}, max {steady[-1]:.1f}; graphs captured {sum(c for _, c in rows)} "
-                      f"(on steps {', '.join(str(i + 1) for i, (_, c) in enumerate(rows) if c) or 'none'})", flush=True)
+                on = ", ".join(str(i + 1) for i, (_, c) in enumerate(rows) if c) or "none"
+                print(f"## {context} x {batch} {arm}: steps after the second, ms: median "
+                      f"{steady[len(steady) // 2]:.1f}, min {steady[0]:.1f}, max {steady[-1]:.1f}; graphs captured "
+                      f"{sum(c for _, c in rows)} (on steps {on})", flush=True)
                 print("  each step, ms (graphs captured): " + " ".join(f"{ms:.1f}({c})" for ms, c in rows))
                 prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 torch.cuda.synchronize()

@@ -402,8 +402,7 @@ def main():
             absorb_value_rotation(model, bundle)
         for point in args.points.split(","):
             context, batch = map(int, point.split("x"))
-            arms = ("bf16-dynamic", "int2-eager") if context <= 8192 else \
-                ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
+            arms = ("bf16-dynamic", "int2-eager") if context <= 8192 else ARMS
             if quick:
                 arms = ("bf16-flash", "int2-eager", "int2-graph")
             if args.arms:
