@@ -3,7 +3,8 @@
 A calibration directory holds
 - statistics.safetensors: the AttentionStatistics accumulators and probes, and in its metadata the
   number of samples already counted (written atomically after every batch, so a rerun resumes);
-- calibration.json: provenance (model, data and its fingerprint, N, L, seed, tool version, timings) and, for a
+- calibration.json: provenance (model, data and its fingerprint and BOS prefix, N, L, seed, tool version, timings),
+  `rope_inv_freq`: each layer's RoPE frequencies (models.rope_frequencies), and, for a
   hybrid model, `attention_layers`: the global ids of the layers with a KV cache (models.attention_layer_ids);
   the statistics keep every layer, zero for the others (the hooks never see them); for a model with sliding
   layers, `windows`: {layer: W} (layers.windows), whose statistics come from the windowed attention the model
@@ -25,7 +26,8 @@ from oscar_core.data import DEFAULT_CALIBRATION, bos_prefix, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes, atomic_write_json
 from oscar_core.layers import layer_specs, windows
-from oscar_core.models import attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device
+from oscar_core.models import (attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device,
+                               rope_frequencies)
 from oscar_core.provenance import model_source, platform_record
 from oscar_core.statistics import AttentionStatistics, observe_attention
 
@@ -165,6 +167,9 @@ def _calibrate(req, out_dir, device, group, on_progress, on_loaded, loaded) -> d
         sliding = windows(layer_specs(loaded.model.config))
         if sliding is not None:  # observed through their window, as the model attends (statistics.observe_attention)
             record["windows"] = {str(i): w for i, w in sliding.items()}
+        rope = rope_frequencies(loaded.model)
+        if rope is not None:  # export scores key formats at far positions by turning the probe (rope.turn)
+            record["rope_inv_freq"] = rope
         if group.world > 1 or len(model_devices(loaded.model)) > 1:
             record["processes"] = group.world
             record["devices"] = model_devices(loaded.model)

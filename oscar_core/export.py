@@ -18,6 +18,7 @@ from oscar_core.fileio import atomic_write_bytes
 from oscar_core.layers import holds_int2, int2_layer_ids, int2_reason, specs_from, window_recent
 from oscar_core.provenance import platform_record
 from oscar_core.quant import layer_bits_per_element
+from oscar_core.rope import far_offsets
 from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error
 
 ORTHOGONALITY_TOLERANCE = 1e-5
@@ -49,27 +50,36 @@ def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOptions) -> tuple[int, tuple]:
-    tensors, info = derive_layer(read_layer_statistics(calib_dir, layer, num_heads), 0, opts)
+def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOptions,
+                      inv_freq: torch.Tensor | None) -> tuple[int, tuple]:
+    tensors, info = derive_layer(read_layer_statistics(calib_dir, layer, num_heads), 0, opts, inv_freq)
     return layer, (tensors, {**info, "layer": layer})
 
 
+def layer_frequencies(record: dict) -> dict[int, torch.Tensor]:
+    """{layer: its RoPE inv_freq} from a calibration record (empty for calibrations that did not record them)."""
+    return {i: torch.tensor(f, dtype=torch.float64) for i, f in enumerate(record.get("rope_inv_freq") or []) if f}
+
+
 def derive_layers(stats, calib_dir, num_heads: int, opts: DeriveOptions, workers: int,
-                  on_layer: Callable[[int, int], None] | None = None, layers: list[int] | None = None):
-    """(layer, (its bundle tensors, its key format)) for every layer of `layers` (None: every layer), in layer order.
+                  on_layer: Callable[[int, int], None] | None = None, layers: list[int] | None = None,
+                  frequencies: dict[int, torch.Tensor] | None = None):
+    """(layer, (its bundle tensors, its key format)) for every layer of `layers` (None: every layer), in layer order;
+    frequencies: each layer's RoPE inv_freq, for scoring key formats at opts.far_offsets.
 
     Every derivation runs on one thread (LAPACK's eigh differs in the last bits with the thread count), so
     the bytes do not depend on `workers`: with workers > 1, that many spawned processes each derive whole
     layers, reading only their layer from the statistics file.
     """
     layers = list(range(stats.num_layers)) if layers is None else layers
+    frequencies = frequencies or {}
     total = len(layers)
     if workers <= 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             for done, layer in enumerate(layers, 1):
-                yield layer, derive_layer(stats, layer, opts)
+                yield layer, derive_layer(stats, layer, opts, frequencies.get(layer))
                 if on_layer:
                     on_layer(done, total)
         finally:
@@ -77,7 +87,8 @@ def derive_layers(stats, calib_dir, num_heads: int, opts: DeriveOptions, workers
         return
     results = {}
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_single_thread) as pool:
-        futures = [pool.submit(_derive_from_file, str(calib_dir), layer, num_heads, opts) for layer in layers]
+        futures = [pool.submit(_derive_from_file, str(calib_dir), layer, num_heads, opts, frequencies.get(layer))
+                   for layer in layers]
         for future in as_completed(futures):
             layer, derived = future.result()
             results[layer] = derived
@@ -140,13 +151,17 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     layers = list(range(model.num_layers)) if held is None else held
     if not layers:
         raise OscarError(f"no layer of {model.id} holds INT2 tokens: {int2_reason(specs, sink_tokens, recent_tokens)}")
-    opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens})
+    frequencies = layer_frequencies(record)
+    probe_tokens = stats.probe(layers[0])["key"].shape[-2]
+    opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens,
+                            "far_offsets": far_offsets(model.max_position_embeddings, probe_tokens) if frequencies
+                            else ()})
     tensors: dict[str, torch.Tensor] = {}
     formats: list[LayerQuant] = []
     if workers < 1:
         raise OscarError("--workers must be at least 1")
     for layer, (derived, info) in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, len(layers)),
-                                                on_layer, layers):
+                                                on_layer, layers, frequencies):
         for key, value in derived.items():
             tensors[f"layers.{layer}.{key}"] = value.float()
         formats.append(LayerQuant(**info))
