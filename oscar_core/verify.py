@@ -106,6 +106,32 @@ def first_failure(checks: list[Check]) -> str | None:
     return None if bad is None else f"{bad.name}: {bad.detail}"
 
 
+def load_checked(path) -> Bundle:
+    """The bundle at `path` if it passes verify's integrity checks (load_bundle: schema, checksum, tensor names and
+    shapes; check_tensors: orthogonal, clips in (0, 1], finite), else OscarError naming the first that fails: what
+    push and upstream export hold a bundle to before anything leaves the machine."""
+    from oscar_core.bundle import load_bundle
+
+    bundle = load_bundle(path)
+    failure = first_failure(check_tensors(bundle))
+    if failure:
+        raise OscarError(f"bundle check failed for {bundle.path}: {failure}")
+    return bundle
+
+
+def too_short(seq_len: int, manifest: Manifest) -> str | None:
+    """Why seq_len held-out tokens cannot judge the bundle's INT2 cache, or None. The first sink and the last recent
+    tokens stay BF16, so a sample quantizes seq_len − sink − recent tokens: none, or fewer than one group (what a
+    per-channel key block needs to leave the BF16 window), is too little."""
+    q = manifest.quant
+    quantized, need = seq_len - q.sink_tokens - q.recent_tokens, max(q.key_group_size, q.value_group_size)
+    if quantized >= need:
+        return None
+    what = "nothing is quantized" if quantized <= 0 else f"only {quantized} tokens are quantized"
+    return (f"{what} at {seq_len} tokens (the first {q.sink_tokens} and the last {q.recent_tokens} stay BF16), too "
+            f"little to judge the INT2 cache: use --seq-len {q.sink_tokens + q.recent_tokens + need} or more")
+
+
 def restored(side: methods.Side | None, x: torch.Tensor, sink: int, write=None) -> torch.Tensor:
     """x [KVH, T, d] as the method's INT2 cache gives it back (float64, original space, first `sink` tokens exact).
 
@@ -449,7 +475,7 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
         step(f"measuring sample {i + 1} of {ids.shape[0]} ({seq_len} tokens): per layer, then end to end")
         reports.append(verify(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda"), compare=other))
     report = {**merge_reports(reports), **report}
-    max_kl = req.max_kl or m.max_kl or DEFAULT_MAX_KL
+    max_kl = next(x for x in (req.max_kl, m.max_kl, DEFAULT_MAX_KL) if x is not None)
     if other is not None:
         report["compare"].update(bundle=str(other.path), name=other.manifest.name, version=other.manifest.version)
     worst = layer_ranking(report["layers"])[0]
@@ -457,7 +483,7 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
                   device=device, model=loaded.info.id, sink_tokens=m.quant.sink_tokens,
                   recent_tokens=m.quant.recent_tokens, max_kl=max_kl, max_logit_error=req.max_logit_error,
                   worst_layer=worst, notes=notes, checks=[c.__dict__ for c in checks])
-    reasons = gate(report, max_kl, req.max_logit_error)
+    reasons = [r for r in (too_short(seq_len, m),) if r] + gate(report, max_kl, req.max_logit_error)
     report.update(passed=not reasons, reasons=reasons, reason="; ".join(reasons) or None)
     return report
 
