@@ -2,6 +2,7 @@
 
 import math
 import re
+from pathlib import Path
 
 import typer
 
@@ -13,8 +14,9 @@ from oscar_core.fileio import check_name
 def in_range(low: float | None = None, high: float | None = None, above: bool = False):
     """A callback: the flag's value (each value of a repeated flag; None, an unset optional flag, passes) must be a
     finite number, at least `low` (above it when `above`) and at most `high`."""
-    bounds = [f"{'above' if above else 'at least'} {low:g}"] * (low is not None) + [f"at most {high:g}"] * (high is not None)
-    wanted = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+    bounds = ([] if low is None else [f"{'above' if above else 'at least'} {low:g}"]) + \
+        ([] if high is None else [f"at most {high:g}"])
+    wanted = " ".join(["a finite number", " and ".join(bounds)]).strip()
 
     def check(value):
         for v in value if isinstance(value, list) else [value]:
@@ -48,3 +50,10 @@ def bundle_version(value: str | None) -> str | None:
         raise typer.BadParameter(f"{value!r} is not a version (letters, digits, '.', '_' or '-', starting with a "
                                  "letter or digit)")
     return value
+
+
+def png_file(path: Path | None) -> Path | None:
+    """A callback for --plot: a .png file, not a directory (matplotlib would write DIR.png, not what was asked)."""
+    if path is not None and (path.suffix.lower() != ".png" or path.is_dir()):
+        raise typer.BadParameter(f"{path} is not a .png file to write")
+    return path

@@ -38,12 +38,13 @@ def bundle_name(model: ModelInfo) -> str:
 
 def check_bundle_name(name: str, version: str) -> str:
     """<name>/<version>, the bundle's path under a zoo root, when both are plain: ORG/MODEL and a version of letters,
-    digits, '.', '_' or '-' (no part '.' or '..'); else UsageError."""
-    if not re.fullmatch(VERSION, version) or version in (".", ".."):
-        raise UsageError(f"invalid bundle version {version!r}: use letters, digits, '.', '_' or '-'")
+    digits, '.', '_' or '-' (no part '.' or '..'); else OscarError (a name from the model id: pass --name)."""
+    if not re.fullmatch(VERSION, version):
+        raise OscarError(f"invalid bundle version {version!r}: use letters, digits, '.', '_' or '-'")
     if not re.fullmatch(NAME, name):
-        raise UsageError(f"invalid bundle name {name!r}: use ORG/MODEL (letters, digits, '.', '_' or '-')")
-    return check_name(f"{name}/{version}", "bundle name")
+        raise OscarError(f"invalid bundle name {name!r}: use ORG/MODEL (letters, digits, '.', '_' or '-'; "
+                         "pass --name)")
+    return f"{check_name(name, 'bundle name')}/{version}"
 
 
 def average_bits(context: int, quant: dict, layers=((1, None, True),)) -> float:

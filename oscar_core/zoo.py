@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest, bundle_layers, plain_name
+from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest, bundle_layers, plain_name, schema_errors
 from oscar_core.equivalence import COVARIANCE_OF, Deviation, figure_deviations, json_differences, tensor_deviations
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes, path_under
@@ -105,12 +105,10 @@ def load_recipes(zoo_root: str | Path, required: bool = False) -> list[Recipe]:
     recipes = []
     for path in sorted((Path(zoo_root) / RECIPES_DIR).glob("*.toml")):
         try:
-            recipes.append(Recipe.model_validate(tomllib.loads(path.read_text())))
+            with schema_errors(f"recipe {path}"):
+                recipes.append(Recipe.model_validate(tomllib.loads(path.read_text())))
         except tomllib.TOMLDecodeError as e:
             raise OscarError(f"recipe {path}: not TOML ({e})") from None
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise OscarError(f"recipe {path}: {'.'.join(map(str, first['loc'])) or 'recipe'}: {first['msg']}") from None
     names = [(r.name, r.version) for r in recipes]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from oscar_cli.options import POSITIVE, in_range
+from oscar_cli.options import POSITIVE, in_range, png_file
 from oscar_cli.ui import console, err_console
 from oscar_core import methods
 from oscar_core.bundle import load_bundle
@@ -61,13 +61,6 @@ def eval_command(
     if plot:
         plot_report(report, plot)
         console.print(f"[green]wrote[/] {plot}")
-
-
-def png_file(path: Path | None) -> Path | None:
-    """A callback for --plot: a .png file, not a directory (matplotlib would write DIR.png, not what was asked)."""
-    if path is not None and (path.suffix.lower() != ".png" or path.is_dir()):
-        raise typer.BadParameter(f"{path} is not a .png file to write")
-    return path
 
 
 def table(report: dict) -> Table:
