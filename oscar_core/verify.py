@@ -121,10 +121,11 @@ def load_checked(path) -> Bundle:
 
 def too_short(seq_len: int, manifest: Manifest) -> str | None:
     """Why seq_len held-out tokens cannot judge the bundle's INT2 cache, or None. The first sink and the last recent
-    tokens stay BF16, so a sample quantizes seq_len − sink − recent tokens: none, or fewer than one group (what a
-    per-channel key block needs to leave the BF16 window), is too little."""
+    tokens stay BF16, so a sample quantizes seq_len − sink − recent tokens: none is too little, and so is less than
+    one group of tokens where some layer keeps keys per channel (a key block must leave the BF16 window whole)."""
     q = manifest.quant
-    quantized, need = seq_len - q.sink_tokens - q.recent_tokens, max(q.key_group_size, q.value_group_size)
+    channel = any(e.key_axis == "channel" for e in q.layers or ())
+    quantized, need = seq_len - q.sink_tokens - q.recent_tokens, q.key_group_size if channel else 1
     if quantized >= need:
         return None
     what = "nothing is quantized" if quantized <= 0 else f"only {quantized} tokens are quantized"

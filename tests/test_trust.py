@@ -249,11 +249,15 @@ def test_an_explicit_key_rotation_holds_for_every_key_format(tmp_path):
 # ---------------------------------------------------------------------------------------------------- verify
 
 def test_verify_does_not_judge_a_length_that_quantizes_nothing():
-    m = tiny_manifest()   # sink 64, recent 256, groups of 8
+    from oscar_core.bundle import LayerQuant
+
+    m = tiny_manifest()   # sink 64, recent 256, groups of 8, keys per token
     assert too_short(256, m).startswith("nothing is quantized at 256 tokens")
-    assert too_short(325, m).startswith("only 5 tokens are quantized at 325 tokens")
-    assert "use --seq-len 328 or more" in too_short(325, m)
-    assert too_short(328, m) is None and too_short(512, m) is None
+    assert too_short(320, m) is not None and too_short(321, m) is None and too_short(512, m) is None
+    channel = m.model_copy(update={"quant": m.quant.model_copy(update={"layers": [
+        LayerQuant(layer=0, key_axis="channel"), LayerQuant(layer=1, key_axis="token")]})})
+    assert too_short(325, channel).startswith("only 5 tokens are quantized at 325 tokens")  # no key block of 8
+    assert "use --seq-len 328 or more" in too_short(325, channel) and too_short(328, channel) is None
 
 
 # ---------------------------------------------------------------------------------------------------- killed runs
