@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from oscar_core.bundle import MANIFEST_FILE, Manifest
 from oscar_core.card import model_card
 from oscar_core.errors import OscarError
-from oscar_core.fileio import sha256_bytes
+from oscar_core.fileio import check_name, sha256_bytes
 from oscar_core.verify import load_checked, recorded_figures
 from oscar_core.hub_clients import HfClient, ModelScopeClient, Remote, RemoteFile
 
@@ -130,7 +130,7 @@ def plan_upstream_push(directory: str, hub: str, repo: str, revision: str | None
     if record.get("files") != manifest.source.files:
         raise OscarError(f"the rotation files in {directory} changed after `oscar upstream export` wrote them: "
                          "export again")
-    prefix = f"{upstream.model_directory(model.id)}/{path.name}"
+    prefix = check_name(f"{upstream.model_directory(model.id)}/{path.name}", "upload folder")
     names = (*upstream.FILES.values(), upstream.SERVE_FILE, upstream.RECORD_FILE)
     uploads = [UploadFile(f"{prefix}/{name}", (path / name).read_bytes()) for name in names]
     card = model_card(manifest, hub, repo, upstream_files={f.path: f.sha256 for f in uploads})
