@@ -21,7 +21,7 @@ a long context (default 4,096 tokens on CUDA, 2,048 on the CPU; the model's cont
 The gate: FAIL when OSCAR's next-token KL is above KIVI-style's (by more than KL_TIE = 0.001 nats), or its
 perplexity is above KIVI-style's (by more than PPL_TIE = 0.1%), or its KL is above max_kl (--max-kl; default
 the manifest's max_kl, else DEFAULT_MAX_KL nats); and, only when given, when its mean key logit error is above
---max-logit-error.
+--max-logit-error. A length that quantizes too little to judge (too_short) fails too.
 On CUDA the INT2 write path of OSCAR's per-token sides is the Triton kernel and the decode kernel is checked
 against exact attention at the last position; on the CPU the torch reference runs.
 """

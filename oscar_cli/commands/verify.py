@@ -23,7 +23,8 @@ Examples:
   oscar verify bundle/rotations.safetensors --model ./my-model --data notes.txt --max-kl 0.05
 """
 GATE = (f"FAIL (exit 1) when OSCAR's next-token KL or perplexity is worse than KIVI-style INT2's, or its KL is above "
-        f"--max-kl (default: the manifest's max_kl, else {DEFAULT_MAX_KL} nats)")
+        f"--max-kl (default: the manifest's max_kl, else {DEFAULT_MAX_KL} nats), or --seq-len leaves too few tokens "
+        "past the sink and recent BF16 windows to judge")
 SIDES = ("attention", "key", "value")
 NAMES = {"oscar": "OSCAR", "compare": "other", "kivi": "KIVI", "hadamard": "Hadamard", "int2": "none"}
 
