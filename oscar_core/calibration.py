@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save
 from oscar_core import __version__, distributed
 from oscar_core.data import DEFAULT_CALIBRATION, bos_prefix, load_samples
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_bytes, atomic_write_json
+from oscar_core.fileio import atomic_write_bytes, atomic_write_json, remove_stale_temporaries
 from oscar_core.layers import layer_specs, windows
 from oscar_core.models import (attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device,
                                rope_frequencies)
@@ -66,6 +66,32 @@ def read_record(calib_dir: str | Path) -> dict:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise OscarError(f"corrupt calibration record: {path}") from None
+
+
+RECORD_KEYS = ("model", "data", "samples", "seq_len", "seed", "tokens")
+
+
+def check_record(record: dict, calib_dir: str | Path) -> None:
+    """What export needs of a calibration record: its keys, attention_layers that are distinct layers of the model,
+    and sliding windows of its layers that are >= 0 tokens; else an OscarError naming the file and the field."""
+    path = Path(calib_dir) / RECORD_FILE
+    missing = [k for k in RECORD_KEYS if k not in record]
+    if missing:
+        raise OscarError(f"calibration record {path} lacks {missing[0]!r}: recalibrate into a new --out")
+    data = record["data"]
+    if not isinstance(data, dict) or not isinstance(data.get("source"), str) or not isinstance(data.get("fingerprint"), str):
+        raise OscarError(f"calibration record {path}: data must hold a source and a fingerprint")
+    layers = record["model"].get("num_layers") if isinstance(record["model"], dict) else None
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        raise OscarError(f"calibration record {path}: model.num_layers is not an integer")
+    kv = record.get("attention_layers")
+    if kv is not None and (not isinstance(kv, list) or len(set(kv)) != len(kv)
+                           or not all(isinstance(i, int) and 0 <= i < layers for i in kv)):
+        raise OscarError(f"calibration record {path}: attention_layers {kv} are not distinct layers 0..{layers - 1}")
+    for layer, window in (record.get("windows") or {}).items():
+        if not str(layer).isdigit() or int(layer) >= layers or not isinstance(window, int) or window < 0:
+            raise OscarError(f"calibration record {path}: windows: layer {layer!r} window {window!r} must be a layer "
+                             f"0..{layers - 1} with a window >= 0 tokens")
 
 
 def read_statistics(calib_dir: str | Path, num_heads: int) -> tuple[AttentionStatistics, int]:
@@ -229,8 +255,7 @@ def _resume(out_dir: Path, record: dict, info, device: str) -> tuple[AttentionSt
         raise OscarError(f"{out_dir} holds a calibration of other inputs ({changed} differs): "
                          "use another --out or delete it")
     for name in (STATISTICS_FILE, RECORD_FILE):  # temporary files left by a process stopped mid-write
-        for stale in out_dir.glob(f".{name}.*.tmp"):
-            stale.unlink(missing_ok=True)
+        remove_stale_temporaries(out_dir / name)
     if not (out_dir / STATISTICS_FILE).exists():
         return stats, 0
     if previous.get("complete"):

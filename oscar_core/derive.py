@@ -236,8 +236,12 @@ def derive_values(stats, layer: int, variant: str, centering: bool, group_size: 
 
 
 def key_formats(key_axis: str, key_rotation: str = "oscar") -> tuple[tuple[str, str], ...]:
-    """DeriveOptions.key_formats for a key axis: "auto" (every candidate), "token" or "channel" (that axis only)."""
-    token, channel = (("token", key_rotation),), (("channel", "none"), ("channel", "eigen"))
+    """DeriveOptions.key_formats for a key axis: "auto" (every candidate), "token" or "channel" (that axis only).
+
+    With the default key rotation ("oscar") keys per channel are kept unrotated or in U_Q (derive_layer); any other
+    key rotation holds for every candidate, per channel too (an ablation gets the keys it asked for)."""
+    token = (("token", key_rotation),)
+    channel = (("channel", "none"), ("channel", "eigen")) if key_rotation == "oscar" else (("channel", key_rotation),)
     if key_axis not in ("auto", *KEY_AXES):
         raise OscarError(f"unknown key axis {key_axis!r}: auto, token or channel")
     return {"auto": token + channel, "token": token, "channel": channel}[key_axis]

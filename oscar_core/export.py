@@ -3,18 +3,22 @@
 import multiprocessing
 import os
 import re
+import signal
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
 
-from oscar_core.bundle import (CONTEXTS_REPORTED, CalibrationInfo, LayerQuant, Manifest, ModelInfo, QuantInfo,
-                               RotationInfo, TensorFileInfo, manifest_json, write_bundle)
-from oscar_core.calibration import read_layer_statistics, read_record, read_statistics
+from oscar_core.bundle import (CONTEXTS_REPORTED, NAME, VERSION, CalibrationInfo, LayerQuant, Manifest, ModelInfo,
+                               QuantInfo, RotationInfo, TensorFileInfo, group_size_problem, manifest_json,
+                               schema_errors, write_bundle)
+from oscar_core.calibration import check_record, read_layer_statistics, read_record, read_statistics
 from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
-from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_bytes
+from oscar_core.errors import OscarError, UsageError
+from oscar_core.fileio import atomic_write_bytes, check_name, path_under
 from oscar_core.layers import holds_int2, int2_layer_ids, int2_reason, specs_from, window_recent
 from oscar_core.provenance import platform_record
 from oscar_core.quant import layer_bits_per_element
@@ -33,6 +37,17 @@ def bundle_name(model: ModelInfo) -> str:
     return f"local/{stem}"
 
 
+def check_bundle_name(name: str, version: str) -> str:
+    """<name>/<version>, the bundle's path under a zoo root, when both are plain: ORG/MODEL and a version of letters,
+    digits, '.', '_' or '-' (no part '.' or '..'); else OscarError (a name from the model id: pass --name)."""
+    if not re.fullmatch(VERSION, version):
+        raise OscarError(f"invalid bundle version {version!r}: use letters, digits, '.', '_' or '-'")
+    if not re.fullmatch(NAME, name):
+        raise OscarError(f"invalid bundle name {name!r}: use ORG/MODEL (letters, digits, '.', '_' or '-'; "
+                         "pass --name)")
+    return f"{check_name(name, 'bundle name')}/{version}"
+
+
 def average_bits(context: int, quant: dict, layers=((1, None, True),)) -> float:
     """Bits per K/V element at `context` tokens, averaged over the KV layers, each (token_block, window, int2) as
     quant.layer_bits_per_element takes them; the default is one global layer with keys per token."""
@@ -46,8 +61,31 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _single_thread() -> None:
+def _deriver(parent: int) -> None:
+    """Set up a spawned deriver: one thread (the bytes do not depend on the process count), and death with the
+    export that started it, even a SIGKILLed one (Linux: the kernel's parent-death signal; elsewhere a thread
+    that watches the parent)."""
     torch.set_num_threads(1)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the signal was set
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """`workers` spawned processes that derive layers, each on one thread, and die with this process."""
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_deriver,
+                               initargs=(os.getpid(),))
 
 
 def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOptions,
@@ -86,7 +124,7 @@ def derive_layers(stats, calib_dir, num_heads: int, opts: DeriveOptions, workers
             torch.set_num_threads(threads)
         return
     results = {}
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_single_thread) as pool:
+    with worker_pool(workers) as pool:
         futures = [pool.submit(_derive_from_file, str(calib_dir), layer, num_heads, opts, frequencies.get(layer))
                    for layer in layers]
         for future in as_completed(futures):
@@ -123,18 +161,23 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         key_clip_grid(opts)
     except ValueError as e:
         raise OscarError(str(e)) from None
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", version):
-        raise OscarError(f"invalid --version {version!r}: use letters, digits, '.', '_' or '-'")
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if name is not None:
+        check_bundle_name(name, version)
     record = read_record(calib_dir)
     if not record.get("complete"):
         raise OscarError(f"calibration in {calib_dir} is incomplete ({record.get('samples_done', 0)} of "
                          f"{record.get('samples')} samples): rerun oscar calibrate with the same --out to finish it")
-    model = ModelInfo.model_validate(record["model"])
+    check_record(record, calib_dir)
+    with schema_errors(f"calibration record {Path(calib_dir) / 'calibration.json'}: model"):
+        model = ModelInfo.model_validate(record["model"])
     opts = DeriveOptions(**{**opts.__dict__, "key_group_size": min(opts.key_group_size, model.head_dim),
                             "value_group_size": min(opts.value_group_size, model.head_dim)})
     for size in (opts.key_group_size, opts.value_group_size):
-        if size < 4 or model.head_dim % size or size & (size - 1):
-            raise OscarError(f"group size {size} must be a power of two that divides head_dim {model.head_dim}")
+        if group_size_problem(size, model.head_dim):
+            raise UsageError(group_size_problem(size, model.head_dim))
+    out = path_under(zoo_root, check_bundle_name(name or bundle_name(model), version), "bundle name")
     stats, done = read_statistics(calib_dir, model.num_heads)
     if done != record["samples"]:
         raise OscarError(f"calibration in {calib_dir} is incomplete: statistics count {done} of {record['samples']} samples")
@@ -158,8 +201,6 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
                             else ()})
     tensors: dict[str, torch.Tensor] = {}
     formats: list[LayerQuant] = []
-    if workers < 1:
-        raise OscarError("--workers must be at least 1")
     for layer, (derived, info) in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, len(layers)),
                                                 on_layer, layers, frequencies):
         for key, value in derived.items():
@@ -188,28 +229,27 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     axis = {f.layer: f.key_axis for f in formats}
     kv_layers = [(opts.key_group_size if axis.get(i) == "channel" else 1, spec.window,
                   holds_int2(spec, sink_tokens, recent_tokens)) for i, spec in enumerate(specs) if spec.kv_cache]
-    manifest = Manifest(
-        name=name or bundle_name(model), version=version, model=model,
-        quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
-                        clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor, opts.clip_grid),
-                        bits_per_element={str(c): average_bits(c, quant, kv_layers) for c in CONTEXTS_REPORTED},
-                        layers=formats if len(opts.key_formats) > 1 else None),
-        rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
-                              key_centering=opts.key_centering, value_centering=opts.value_centering,
-                              layers=held, windows=record.get("windows"),
-                              layers_reason=int2_reason(specs, sink_tokens, recent_tokens)),
-        calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
-                                    samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
-                                    tokens=record["tokens"], model_source=record.get("model_source"),
-                                    platform=platform_record(record.get("device", "cpu")),
-                                    bos_prefix=record["data"].get("bos_prefix")),
-        tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
-    )
-    if not re.fullmatch(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+", manifest.name):
-        raise OscarError(f"invalid bundle name {manifest.name!r}: use ORG/MODEL")
-    zoo_root = Path(zoo_root)
-    out = zoo_root / manifest.name / version
+    with schema_errors(f"calibration {calib_dir} gives an invalid manifest"):
+        manifest = Manifest(
+            name=name or bundle_name(model), version=version, model=model,
+            quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
+                            clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor,
+                                                                opts.clip_grid),
+                            bits_per_element={str(c): average_bits(c, quant, kv_layers) for c in CONTEXTS_REPORTED},
+                            layers=formats if len(opts.key_formats) > 1 else None),
+            rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
+                                  key_centering=opts.key_centering, value_centering=opts.value_centering,
+                                  layers=held, windows=record.get("windows"),
+                                  layers_reason=int2_reason(specs, sink_tokens, recent_tokens)),
+            calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
+                                        samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
+                                        tokens=record["tokens"], model_source=record.get("model_source"),
+                                        platform=platform_record(record.get("device", "cpu")),
+                                        bos_prefix=record["data"].get("bos_prefix")),
+            tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
+        )
     manifest = write_bundle(out, manifest, tensors)
+    zoo_root = Path(zoo_root)
     if is_repo_zoo(zoo_root.resolve()):
         atomic_write_bytes(zoo_root.resolve().parent / "manifests" / manifest.name / f"{version}.json",
                            manifest_json(manifest).encode())

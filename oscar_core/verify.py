@@ -21,7 +21,7 @@ excess over BF16 per position bucket (BUCKETS equal spans of the sample: an erro
 in the last buckets), and needle retrieval through each method's cache at the same length (evaluate.needle_*).
 
 The gate: FAIL when
-- the length quantizes too little to judge: fewer than MIN_INT2_TOKENS tokens past sink + recent;
+- the length quantizes too little to judge (too_short);
 - OSCAR's next-token KL is above KIVI-style's (by more than KL_TIE = 0.001 nats), or its perplexity is above
   KIVI-style's (by more than PPL_TIE = 0.1%), or its KL is above max_kl (--max-kl; default the manifest's max_kl,
   else DEFAULT_MAX_KL nats);
@@ -56,7 +56,6 @@ DEFAULT_SEQ_LEN = {"cuda": 32768, "cpu": 2048}       # held-out tokens per sampl
 BUCKETS = 8                                            # position buckets of the NLL excess
 BUCKET_TIE = 1e-3                                      # nats a token: a bucket's excess this close to KIVI's ties,
 BUCKET_SIGMAS = 2.0                                    # ... or within this many standard errors of the difference
-MIN_INT2_TOKENS = 64                                   # fewer tokens past sink + recent: too little to judge
 DEFAULT_NEEDLES = {"cuda": 10, "cpu": 0}               # needle prompts at the verify length, by device type
 NEEDLE_METHODS = ("bf16", "oscar", "kivi")
 DEFAULT_MAX_KL = 0.1                                  # nats, when the manifest sets no max_kl
@@ -118,6 +117,33 @@ def check_layers(manifest: Manifest, config) -> Check:
 def first_failure(checks: list[Check]) -> str | None:
     bad = next((c for c in checks if not c.ok), None)
     return None if bad is None else f"{bad.name}: {bad.detail}"
+
+
+def load_checked(path) -> Bundle:
+    """The bundle at `path` if it passes verify's integrity checks (load_bundle: schema, checksum, tensor names and
+    shapes; check_tensors: orthogonal, clips in (0, 1], finite), else OscarError naming the first that fails: what
+    push and upstream export hold a bundle to before anything leaves the machine."""
+    from oscar_core.bundle import load_bundle
+
+    bundle = load_bundle(path)
+    failure = first_failure(check_tensors(bundle))
+    if failure:
+        raise OscarError(f"bundle check failed for {bundle.path}: {failure}")
+    return bundle
+
+
+def too_short(seq_len: int, manifest: Manifest) -> str | None:
+    """Why seq_len held-out tokens cannot judge the bundle's INT2 cache, or None. The first sink and the last recent
+    tokens stay BF16, so a sample quantizes seq_len − sink − recent tokens: none is too little, and so is less than
+    one group of tokens where some layer keeps keys per channel (a key block must leave the BF16 window whole)."""
+    q = manifest.quant
+    channel = any(e.key_axis == "channel" for e in q.layers or ())
+    quantized, need = seq_len - q.sink_tokens - q.recent_tokens, q.key_group_size if channel else 1
+    if quantized >= need:
+        return None
+    what = "nothing is quantized" if quantized <= 0 else f"only {quantized} tokens are quantized"
+    return (f"{what} at {seq_len} tokens (the first {q.sink_tokens} and the last {q.recent_tokens} stay BF16), too "
+            f"little to judge the INT2 cache: use --seq-len {q.sink_tokens + q.recent_tokens + need} or more")
 
 
 def restored(side: methods.Side | None, x: torch.Tensor, sink: int, write=None) -> torch.Tensor:
@@ -346,22 +372,11 @@ def merge_reports(reports: list[dict]) -> dict:
     return merged
 
 
-def int2_tokens(seq_len: int, sink_tokens: int, recent_tokens: int) -> int:
-    """Tokens of a seq_len sample that a global layer holds in INT2 when the last one is decoded."""
-    return max(0, seq_len - sink_tokens - recent_tokens)
-
-
 def gate(report: dict, max_kl: float, max_logit_error: float | None = None) -> list[str]:
     """Why the bundle fails (empty: it passes), one phrase per reason (module doc). Differences from KIVI-style
     within KL_TIE nats and PPL_TIE relative perplexity are ties (a context too short for KIVI-style to quantize
     a key block gives two caches that differ only in rounding)."""
     e2e, reasons = report["end_to_end"], []
-    if "seq_len" in report:
-        held = int2_tokens(report["seq_len"], report["sink_tokens"], report["recent_tokens"])
-        if held < MIN_INT2_TOKENS:
-            reasons.append(f"{report['seq_len']} tokens leave {held} INT2 tokens past the {report['sink_tokens']} sink "
-                           f"and {report['recent_tokens']} recent BF16 tokens: too little to judge (use --seq-len "
-                           f"{report['sink_tokens'] + report['recent_tokens'] + MIN_INT2_TOKENS} or more)")
     buckets = report.get("buckets", {})
     excess = buckets.get("excess", {})
     if "oscar" in excess and "kivi" in excess:
@@ -556,10 +571,10 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
         reports.append(verify(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda"), compare=other))
     report = {**merge_reports(reports), **report}
     needles = DEFAULT_NEEDLES[_kind(device)] if req.needles is None else req.needles
-    if needles > 0 and int2_tokens(seq_len, m.quant.sink_tokens, m.quant.recent_tokens) >= MIN_INT2_TOKENS:
+    if needles > 0 and too_short(seq_len, m) is None:
         step(f"needle retrieval at {seq_len} tokens: {needles} prompts")
         report["needle"] = needle_check(loaded, b, req.data, seq_len, needles, req.seed)
-    max_kl = req.max_kl or m.max_kl or DEFAULT_MAX_KL
+    max_kl = next(x for x in (req.max_kl, m.max_kl, DEFAULT_MAX_KL) if x is not None)
     if other is not None:
         report["compare"].update(bundle=str(other.path), name=other.manifest.name, version=other.manifest.version)
     worst = layer_ranking(report["layers"])[0]
@@ -567,7 +582,7 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
                   device=device, model=loaded.info.id, sink_tokens=m.quant.sink_tokens,
                   recent_tokens=m.quant.recent_tokens, max_kl=max_kl, max_logit_error=req.max_logit_error,
                   worst_layer=worst, notes=notes, checks=[c.__dict__ for c in checks])
-    reasons = gate(report, max_kl, req.max_logit_error)
+    reasons = [r for r in (too_short(seq_len, m),) if r] + gate(report, max_kl, req.max_logit_error)
     report.update(passed=not reasons, reasons=reasons, reason="; ".join(reasons) or None)
     return report
 

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from oscar_cli.options import POSITIVE, in_range, png_file
 from oscar_cli.ui import console, err_console
 from oscar_core import methods
 from oscar_core.bundle import load_bundle
@@ -30,15 +31,15 @@ def eval_command(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory (<zoo>/<org>/<model>/<version>).")],
     model: Annotated[Optional[str], typer.Option(help="Hub id, directory, .gguf or packaged:<name>; default: the one the bundle's manifest names.")] = None,
     data: Annotated[str, typer.Option(help="Held-out text source (default: IDLE's docs, shipped with oscar).")] = DEFAULT_HELDOUT,
-    context: Annotated[Optional[list[int]], typer.Option(help="Context length; repeat for several.")] = None,
+    context: Annotated[Optional[list[int]], typer.Option(callback=in_range(64), help="Context length; repeat for several.")] = None,
     methods_: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of {','.join(methods.METHODS)}.")] = ",".join(methods.METHODS),
-    samples: Annotated[int, typer.Option(help="Perplexity windows per context length.")] = 2,
-    needle_trials: Annotated[int, typer.Option(help="Needle prompts per context and depth (0: none).")] = 1,
+    samples: Annotated[int, typer.Option(help="Perplexity windows per context length.", callback=POSITIVE)] = 2,
+    needle_trials: Annotated[int, typer.Option(help="Needle prompts per context and depth (0: none).", callback=in_range(0))] = 1,
     depths: Annotated[str, typer.Option(help="Needle depths, comma-separated fractions.")] = ",".join(map(str, DEPTHS)),
     seed: Annotated[int, typer.Option(help="Seed of the pass keys and filler offsets.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cpu, cuda or auto.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot here (a .png file).", callback=png_file)] = None,
 ) -> None:
     """Perplexity at each context and needle accuracy by depth, for BF16 and the INT2 methods at the same bits."""
     try:

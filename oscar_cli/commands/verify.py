@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from oscar_cli.options import COUNT, POSITIVE, SEQUENCE, THRESHOLD
 from oscar_cli.ui import console, err_console
 from oscar_core.data import DEFAULT_HELDOUT
 from oscar_core.fileio import atomic_write_json
@@ -23,7 +24,7 @@ Examples:
 """
 GATE = (f"FAIL (exit 1) when OSCAR's next-token KL, perplexity, NLL excess in any position bucket or needle retrieval "
         f"is worse than KIVI-style INT2's, its KL is above --max-kl (default: the manifest's max_kl, else "
-        f"{DEFAULT_MAX_KL} nats), or the length leaves too few INT2 tokens to judge")
+        f"{DEFAULT_MAX_KL} nats), or --seq-len leaves too few tokens past the sink and recent BF16 windows to judge")
 SIDES = ("attention", "key", "value")
 NAMES = {"oscar": "OSCAR", "compare": "other", "kivi": "KIVI", "hadamard": "Hadamard", "int2": "none"}
 
@@ -32,15 +33,15 @@ def verify(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory or its rotations.safetensors.")],
     model: Annotated[Optional[str], typer.Option(help="Model to check against; default: the one the manifest names.")] = None,
     data: Annotated[str, typer.Option(help="Held-out text source (hub dataset, file or folder); default: IDLE's docs, shipped with oscar.")] = DEFAULT_HELDOUT,
-    samples: Annotated[int, typer.Option(help="Held-out samples.")] = 1,
-    seq_len: Annotated[Optional[int], typer.Option(help=f"Tokens per held-out sample, the length the gate judges; default: {DEFAULT_SEQ_LEN['cuda']} on CUDA (a served length), {DEFAULT_SEQ_LEN['cpu']} on the CPU, capped by the model's context.")] = None,
-    needles: Annotated[Optional[int], typer.Option(help=f"Needle prompts at --seq-len (0: none); default: {DEFAULT_NEEDLES['cuda']} on CUDA, {DEFAULT_NEEDLES['cpu']} on the CPU.")] = None,
+    samples: Annotated[int, typer.Option(help="Held-out samples.", callback=POSITIVE)] = 1,
+    seq_len: Annotated[Optional[int], typer.Option(callback=SEQUENCE, help=f"Tokens per held-out sample, the length the gate judges; default: {DEFAULT_SEQ_LEN['cuda']} on CUDA (a served length), {DEFAULT_SEQ_LEN['cpu']} on the CPU, capped by the model's context.")] = None,
+    needles: Annotated[Optional[int], typer.Option(callback=COUNT, help=f"Needle prompts at --seq-len (0: none); default: {DEFAULT_NEEDLES['cuda']} on CUDA, {DEFAULT_NEEDLES['cpu']} on the CPU.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for drawing the samples.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda; default: cuda when available.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="Model dtype; default: float32 on CPU, bfloat16 on CUDA.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report here.")] = None,
-    max_kl: Annotated[Optional[float], typer.Option(help=f"Fail when OSCAR's next-token KL against BF16 passes this (nats); default: the manifest's max_kl, else {DEFAULT_MAX_KL}.")] = None,
-    max_logit_error: Annotated[Optional[float], typer.Option(help="Also fail when OSCAR's mean key logit error passes this (not checked unless given).")] = None,
+    max_kl: Annotated[Optional[float], typer.Option(callback=THRESHOLD, help=f"Fail when OSCAR's next-token KL against BF16 passes this (nats); default: the manifest's max_kl, else {DEFAULT_MAX_KL}.")] = None,
+    max_logit_error: Annotated[Optional[float], typer.Option(callback=THRESHOLD, help="Also fail when OSCAR's mean key logit error passes this (not checked unless given).")] = None,
     checks_only: Annotated[bool, typer.Option(help="Only check the bundle (no model run).")] = False,
     record: Annotated[bool, typer.Option(help="Write the headline figures to verify.json beside the bundle (zoo list and model cards show them).")] = False,
     compare: Annotated[Optional[Path], typer.Option(help="A second bundle for the same model (e.g. from `oscar upstream import`), measured beside this one.")] = None,
