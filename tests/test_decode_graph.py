@@ -1,19 +1,15 @@
-"""bench/serve.py's --compile: the shared part of the step compiled, the model's outputs unchanged."""
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-import serve  # noqa: E402
+from oscar_core.decode_graph import compile_shared_parts
 
 
 @pytest.mark.slow
 @pytest.mark.skipif("ATEN_CPU_CAPABILITY" in os.environ,
                     reason="inductor's CPU code under a forced ATen capability gives NaN norms (torch 2.13, avx2 on an "
-                           "avx512 CPU); serve.py compiles for the GPU")
+                           "avx512 CPU); the serving benchmark compiles for the GPU")
 def test_compile_shared_parts_swaps_norms_and_mlps_and_keeps_the_logits():
     """Every RMSNorm and MLP of a tiny Qwen3 (four norms and an MLP a layer, the final norm) becomes its compiled
     form; attention and its projections stay; the logits match the model's own within float32 rounding."""
@@ -26,7 +22,7 @@ def test_compile_shared_parts_swaps_norms_and_mlps_and_keeps_the_logits():
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         want = model(ids).logits
-        assert serve.compile_shared_parts(model) == 2 * 5 + 1
+        assert compile_shared_parts(model) == 2 * 5 + 1
         layer = model.model.layers[0]
         compiled = [type(m).__name__ for m in (layer.mlp, layer.self_attn.k_norm, layer.input_layernorm)]
         assert compiled == ["OptimizedModule"] * 3
