@@ -106,6 +106,8 @@ class CalibrationInfo(Strict):
                                                        "id): verify's hint when --model is not given")
     platform: dict[str, str] | None = Field(None, description="provenance.platform_record() of the build: torch, "
                                             "BLAS/LAPACK, CPU capability, Python, machine; absent in older bundles")
+    bos_prefix: list[int] | None = Field(None, description="the tokens every calibration window started with (the "
+                                         "tokenizer's BOS, data.bos_prefix); absent: none")
 
 
 class TensorFileInfo(Strict):
@@ -208,7 +210,8 @@ def canonical_header(data: bytes) -> bytes:
 
 def manifest_json(manifest: Manifest) -> str:
     """Canonical JSON; the optional fields added after schema 1 shipped (source, rotation.layers, .windows,
-    .layers_reason, quant.layers, max_kl) are left out when unset, so manifests written before them keep their bytes."""
+    .layers_reason, quant.layers, max_kl, calibration.bos_prefix) are left out when unset (a BOS prefix when empty),
+    so manifests written before them keep their bytes."""
     dump = manifest.model_dump(mode="json")
     if dump["source"] is None:
         del dump["source"]
@@ -219,6 +222,8 @@ def manifest_json(manifest: Manifest) -> str:
         del dump["quant"]["layers"]
     if dump["max_kl"] is None:
         del dump["max_kl"]
+    if not dump["calibration"]["bos_prefix"]:
+        del dump["calibration"]["bos_prefix"]
     return canonical_json(dump)
 
 

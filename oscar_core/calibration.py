@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from oscar_core import __version__, distributed
-from oscar_core.data import DEFAULT_CALIBRATION, load_samples
+from oscar_core.data import DEFAULT_CALIBRATION, bos_prefix, load_samples
 from oscar_core.errors import OscarError
 from oscar_core.fileio import atomic_write_bytes, atomic_write_json
 from oscar_core.layers import layer_specs, windows
@@ -153,7 +153,7 @@ def _calibrate(req, out_dir, device, group, on_progress, on_loaded, loaded) -> d
         record = {
             "model": info.model_dump(mode="json"),
             "data": {"source": req.data or DEFAULT_CALIBRATION, "split": req.split, "text_field": req.text_field,
-                     "fingerprint": fingerprint},
+                     "fingerprint": fingerprint, "bos_prefix": bos_prefix(loaded.tokenizer)},
             "samples": req.samples, "seq_len": req.seq_len, "seed": req.seed, "batch_size": req.batch_size,
             "device": device, "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
             "tool_version": __version__, "samples_done": 0, "tokens": 0, "complete": False,

@@ -107,9 +107,25 @@ def texts(source: str | None, split: str = "train", text_field: str = "text") ->
     return _hub_texts(source, split, text_field)
 
 
-def token_windows(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[torch.Tensor]:
-    """Tokenize documents, join them with the end-of-sequence token, cut into windows of seq_len tokens."""
+def bos_prefix(tokenizer) -> list[int]:
+    """The tokens the tokenizer puts before every text it encodes for the model (its BOS where `add_bos_token`
+    holds, as Gemma's does; none for SmolLM2 or Qwen2.5): what every served prompt starts with, so every window
+    that calibration, verify and eval show the model starts with them too."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    if len(full) > len(plain) and full[len(full) - len(plain):] == plain:
+        return list(full[:len(full) - len(plain)])
+    return []
+
+
+def token_windows(docs: Iterable[str], tokenizer, seq_len: int, prefix: list[int] = ()) -> Iterator[torch.Tensor]:
+    """Tokenize documents, join them with the end-of-sequence token, cut into windows of seq_len tokens, each
+    `prefix` (bos_prefix) then seq_len − len(prefix) tokens of the text stream."""
     eos = tokenizer.eos_token_id
+    prefix = list(prefix)
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise OscarError(f"a window of {seq_len} tokens holds nothing past its {len(prefix)} prefix tokens")
     buffer: list[int] = []
     for doc in docs:
         if not doc.strip():
@@ -117,9 +133,9 @@ def token_windows(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[torc
         buffer.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
         if eos is not None:
             buffer.append(eos)
-        while len(buffer) >= seq_len:
-            yield torch.tensor(buffer[:seq_len], dtype=torch.long)
-            buffer = buffer[seq_len:]
+        while len(buffer) >= body:
+            yield torch.tensor(prefix + buffer[:body], dtype=torch.long)
+            buffer = buffer[body:]
 
 
 def sample_windows(windows: Iterable[torch.Tensor], n: int, seed: int, max_windows: int | None = None):
@@ -150,9 +166,10 @@ def sample_windows(windows: Iterable[torch.Tensor], n: int, seed: int, max_windo
 
 def load_samples(source: str | None, tokenizer, n: int, seq_len: int, seed: int,
                  split: str = "train", text_field: str = "text", scan_factor: int = 64):
-    """n token windows of seq_len drawn from a source; raises OscarError when the source is too small."""
-    samples, fingerprint, seen = sample_windows(token_windows(texts(source, split, text_field), tokenizer, seq_len),
-                                                n, seed, max_windows=max(n * scan_factor, n))
+    """n token windows of seq_len drawn from a source, each starting with the tokenizer's bos_prefix; raises
+    OscarError when the source is too small."""
+    windows = token_windows(texts(source, split, text_field), tokenizer, seq_len, bos_prefix(tokenizer))
+    samples, fingerprint, seen = sample_windows(windows, n, seed, max_windows=max(n * scan_factor, n))
     name = source or DEFAULT_CALIBRATION
     if seen == 0:
         raise OscarError(f"data source {name} holds no text long enough for one sample of {seq_len} tokens")

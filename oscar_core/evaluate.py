@@ -20,7 +20,7 @@ import torch
 
 from oscar_core import methods
 from oscar_core.cache import OscarCache, exact_cache, fill, oscar_attention
-from oscar_core.data import DEFAULT_HELDOUT, texts, token_windows
+from oscar_core.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
 from oscar_core.errors import OscarError
 from oscar_core.models import cache_argument
 from oscar_core.simulate import simulate_int2
@@ -77,7 +77,7 @@ def check_bundle(bundle, info, config=None) -> None:
 
 
 def heldout_tokens(source: str, tokenizer, needed: int) -> torch.Tensor:
-    """The first `needed` tokens of a source (documents joined with EOS); fewer if the source is shorter."""
+    """The first `needed` tokens of a source (documents joined with EOS, no BOS); fewer if the source is shorter."""
     out = []
     for window in token_windows(texts(source), tokenizer, 256):
         out.append(window)
@@ -88,12 +88,15 @@ def heldout_tokens(source: str, tokenizer, needed: int) -> torch.Tensor:
     return torch.cat(out)[:needed]
 
 
-def windows_of(tokens: torch.Tensor, length: int, n: int, source: str) -> torch.Tensor:
-    """Up to n consecutive windows [n', length] of the token stream; an error if there is not one."""
-    have = min(n, tokens.numel() // length)
+def windows_of(tokens: torch.Tensor, length: int, n: int, source: str, prefix: list[int] = ()) -> torch.Tensor:
+    """Up to n consecutive windows [n', length] of the token stream, each `prefix` (the tokenizer's bos_prefix)
+    then length − len(prefix) stream tokens; an error if there is not one."""
+    body = length - len(prefix)
+    have = min(n, tokens.numel() // body)
     if have == 0:
         raise OscarError(f"data source {source} holds {tokens.numel()} tokens, fewer than one window of {length}")
-    return tokens[:have * length].reshape(have, length)
+    rows = tokens[:have * body].reshape(have, body)
+    return torch.cat([torch.tensor(list(prefix), dtype=rows.dtype).expand(have, -1), rows], dim=1)
 
 
 @torch.inference_mode()
@@ -120,10 +123,13 @@ def perplexity(model, windows: torch.Tensor, method: str, bundle) -> float:
 
 
 def needle_prompt(tokenizer, filler: torch.Tensor, length: int, depth: float, key: str) -> torch.Tensor:
-    """Token ids [length]: intro, filler with the needle at relative depth `depth`, the question."""
+    """Token ids [length]: the tokenizer's bos_prefix, intro, filler with the needle at relative depth `depth`,
+    the question."""
     def enc(s):
         return torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    intro, needle, question = enc(NEEDLE_INTRO), enc(NEEDLE.format(key=key)), enc(NEEDLE_QUESTION)
+    bos = torch.tensor(bos_prefix(tokenizer), dtype=torch.long)
+    intro = torch.cat([bos, enc(NEEDLE_INTRO)])
+    needle, question = enc(NEEDLE.format(key=key)), enc(NEEDLE_QUESTION)
     n = length - len(intro) - len(needle) - len(question)
     if n < 0 or filler.numel() < n:
         raise OscarError(f"not enough filler text for a needle prompt of {length} tokens")
@@ -175,7 +181,7 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
               "needle": {m: {} for m in req.methods}, "needle_answers": [], "memory": {}, "timings_s": {}}
     t0 = time.perf_counter()
     for c in req.contexts:
-        wins = windows_of(tokens, c, req.samples, req.data)
+        wins = windows_of(tokens, c, req.samples, req.data, bos_prefix(tok))
         report["windows"][str(c)] = int(wins.shape[0])
         for m in req.methods:
             step(f"perplexity {m} @ {c}")

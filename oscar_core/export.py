@@ -186,7 +186,8 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
                                     samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
                                     tokens=record["tokens"], model_source=record.get("model_source"),
-                                    platform=platform_record(record.get("device", "cpu"))),
+                                    platform=platform_record(record.get("device", "cpu")),
+                                    bos_prefix=record["data"].get("bos_prefix")),
         tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
     )
     if not re.fullmatch(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+", manifest.name):

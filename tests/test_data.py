@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from oscar_core.data import DEFAULT_HELDOUT, heldout_prompts, load_samples, sample_windows, texts, token_windows
+from oscar_core.data import (DEFAULT_HELDOUT, bos_prefix, heldout_prompts, load_samples, sample_windows, texts,
+                              token_windows)
 from oscar_core.errors import OscarError
 
 
@@ -14,6 +15,27 @@ class CharTokenizer:
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [b + 1 for b in text.encode()]}
+
+
+class BosTokenizer(CharTokenizer):
+    """Puts BOS (id 300) before every text it encodes with special tokens, as Gemma's tokenizer does."""
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = super().__call__(text)["input_ids"]
+        return {"input_ids": ([300] if add_special_tokens else []) + ids}
+
+
+def test_every_window_starts_with_the_tokenizers_bos():
+    assert bos_prefix(CharTokenizer()) == [] and bos_prefix(BosTokenizer()) == [300]
+    plain = list(token_windows(["a" * 50, "b" * 50], CharTokenizer(), 16))
+    windows = list(token_windows(["a" * 50, "b" * 50], BosTokenizer(), 16, bos_prefix(BosTokenizer())))
+    assert all(w.shape == (16,) and w[0] == 300 and (w[1:] != 300).all() for w in windows)
+    stream = torch.cat([w[1:] for w in windows])
+    assert torch.equal(stream, torch.cat(plain)[:stream.numel()])  # no text token dropped or repeated
+    samples, _ = load_samples("default-heldout", BosTokenizer(), 3, 64, seed=0)
+    assert (samples[:, 0] == 300).all()
+    with pytest.raises(OscarError, match="holds nothing past"):
+        next(token_windows(["abc"], BosTokenizer(), 1, [300]))
 
 
 def test_default_corpora_are_real_disjoint_english():

@@ -34,6 +34,20 @@ def test_needle_prompt_places_the_needle_at_depth():
         ev.needle_prompt(tok, filler[:10], 1200, 0.5, "12345")
 
 
+class BosCharTokenizer(CharTokenizer):
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([999] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+def test_needle_prompts_and_windows_start_with_bos():
+    tok = BosCharTokenizer()
+    ids = ev.needle_prompt(tok, torch.arange(1000, 3000), 1200, 0.5, "12345")
+    assert ids.numel() == 1200 and ids[0] == 999 and (ids[1:] != 999).all()
+    wins = ev.windows_of(torch.arange(1000, 1100), 10, 3, "x", [999])
+    assert wins.shape == (3, 10) and (wins[:, 0] == 999).all()
+    assert torch.equal(wins[:, 1:].flatten(), torch.arange(1000, 1027))
+
+
 def test_answer_matching_is_exact():
     assert ev.answer_matches(" 48213. Remember", "48213")
     assert not ev.answer_matches(" 4821", "48213") and not ev.answer_matches("482135", "48213")
