@@ -58,19 +58,12 @@ def graph_bench(fn) -> float:
 
 def eager_ms(fn, calls: int = 100) -> float:
     """Wall clock per call of `calls` back-to-back calls from Python (after 5 warm-up calls), in ms."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e3
+    return wall(fn, calls, warmup=5)[1] / 1e3
 
 
-def wall(fn, calls: int = 300) -> tuple:
-    """(µs a call to issue, µs a call to finish) over `calls` back-to-back calls."""
-    for _ in range(10):
+def wall(fn, calls: int = 300, warmup: int = 10) -> tuple:
+    """(µs a call to issue, µs a call to finish) over `calls` back-to-back calls, after `warmup` calls."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
