@@ -179,6 +179,9 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
               "sink_tokens": bundle.manifest.quant.sink_tokens, "recent_tokens": bundle.manifest.quant.recent_tokens,
               "bits_per_element": {m: {str(c): round(methods.bits_per_element(m, c, bundle), 4) for c in req.contexts}
                                    for m in req.methods},
+              "bits_per_element_by_layer_type": {
+                  m: {kind: {str(c): round(methods.bits_per_element(m, c, bundle, kind), 4) for c in req.contexts}
+                      for kind in methods.layer_kinds(bundle)} for m in req.methods},
               "perplexity": {m: {} for m in req.methods}, "windows": {},
               "needle": {m: {} for m in req.methods}, "needle_answers": [], "memory": {}, "timings_s": {}}
     t0 = time.perf_counter()
@@ -209,7 +212,8 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
                     report["needle_answers"].append({"method": m, "context": c, "depth": d, "key": key,
                                                      "answer": text.strip(), "correct": hit})
                     report["memory"][m] = {"tokens": length, "bytes": nbytes, "bf16_bytes": bf16_bytes,
-                                           "ratio": round(bf16_bytes / nbytes, 3)}
+                                           "ratio": round(bf16_bytes / nbytes, 3),
+                                           "bits_per_element": round(16 * nbytes / bf16_bytes, 4)}
     report["timings_s"]["needle"] = round(time.perf_counter() - t0, 1)
     report["needle_accuracy"] = {m: {c: sum(v.values()) / len(v) for c, v in per.items() if v}
                                  for m, per in report["needle"].items()}

@@ -21,7 +21,7 @@ from oscar_core.errors import OscarError, UsageError
 from oscar_core.fileio import atomic_write_bytes, check_name, path_under
 from oscar_core.layers import holds_int2, int2_layer_ids, int2_reason, specs_from, window_recent
 from oscar_core.provenance import platform_record
-from oscar_core.quant import layer_bits_per_element
+from oscar_core.quant import cache_bits_per_element, layer_bits_per_element
 from oscar_core.rope import far_offsets
 from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error
 
@@ -49,12 +49,14 @@ def check_bundle_name(name: str, version: str) -> str:
 
 
 def average_bits(context: int, quant: dict, layers=((1, None, True),)) -> float:
-    """Bits per K/V element at `context` tokens, averaged over the KV layers, each (token_block, window, int2) as
-    quant.layer_bits_per_element takes them; the default is one global layer with keys per token."""
+    """Bits per K/V element at `context` tokens against the BF16 cache of the same model (quant.cache_bits_per_element)
+    over the KV layers, each (token_block, window, int2) as quant.layer_bits_per_element takes them; the default is
+    one global layer with keys per token."""
     q = quant
-    return round(sum(layer_bits_per_element(context, q["key_group_size"], q["value_group_size"], q["sink_tokens"],
-                                            window_recent(window, q["recent_tokens"], block), block, window, int2)
-                     for block, window, int2 in layers) / len(layers), 4)
+    return round(cache_bits_per_element(context, [
+        (layer_bits_per_element(context, q["key_group_size"], q["value_group_size"], q["sink_tokens"],
+                                window_recent(window, q["recent_tokens"], block), block, window, int2), window)
+        for block, window, int2 in layers]), 4)
 
 
 def default_workers() -> int:

@@ -127,3 +127,16 @@ def layer_bits_per_element(context: int, key_group_size: int, value_group_size: 
     bits = sum(bits_per_element(held, g, sink_tokens, recent_tokens, token_block)
                for g in (key_group_size, value_group_size)) / 2
     return bits * held / context
+
+
+def held_tokens(context: int, window: int | None = None) -> int:
+    """Tokens of a `context`-token sequence that a layer's cache (and a BF16 cache of the same layer) holds."""
+    return context if window is None else min(context, window)
+
+
+def cache_bits_per_element(context: int, layers: list[tuple[float, int | None]]) -> float:
+    """Bits per element of a whole cache against the BF16 cache of the same model holding the same tokens, over its
+    KV layers, each (layer_bits_per_element at `context`, its sliding window or None):
+        16 · bytes(cache) / bytes(BF16 cache) = Σ_l b_l·context / Σ_l held_l
+    (b_l·context/held_l is the bits per element of what layer l holds): a sliding layer weighs by its window."""
+    return sum(bits for bits, _ in layers) * context / sum(held_tokens(context, w) for _, w in layers)

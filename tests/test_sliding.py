@@ -196,3 +196,28 @@ def test_bf16_needle_decoding_equals_generate(gemma_dir, gemma_bundle):
                                      do_sample=False, pad_token_id=loaded.tokenizer.eos_token_id)
     assert text == loaded.tokenizer.decode(want[0, 96:], skip_special_tokens=True)
     assert tokens == 96 + ANSWER_TOKENS - 1
+
+
+def test_bits_per_element_are_the_measured_bytes_per_layer_type(gemma_bundle):
+    """The bits a sliding model's cache reports are 16 · its bytes / the BF16 cache's bytes of the same tokens: a
+    window layer counts the window it holds, in the cache's figure and in BF16's (not the context)."""
+    from oscar_core import methods
+    from oscar_core.bundle import load_bundle
+    from oscar_core.cache import OscarCache
+
+    bundle = load_bundle(gemma_bundle[1])
+    m = bundle.manifest.model
+    for method in ("oscar", "kivi"):
+        cache = OscarCache(bundle, method)
+        gen = torch.Generator().manual_seed(0)
+        for layer in range(m.num_layers):
+            k, v = (torch.randn(1, m.num_kv_heads, 4000, m.head_dim, generator=gen) for _ in range(2))
+            cache.update(k, v, layer)
+        measured = 16 * cache.nbytes() / cache.bf16_nbytes()
+        accounted = methods.bits_per_element(method, 4000, bundle)
+        assert abs(measured - accounted) / accounted < 0.03, (method, measured, accounted)  # capacity rounding
+        # Windows of 8 kept in BF16: kivi's a ring of 8 tokens, oscar's a store of the 64 sinks and 8 slots.
+        sliding = methods.bits_per_element(method, 4000, bundle, "sliding")
+        assert sliding == (16.0 if method == "kivi" else 16.0 * (64 + 8) / 8)
+        assert 4 < methods.bits_per_element(method, 4000, bundle, "global") < 4.1   # head_dim 16: groups of 16
+        assert accounted < 5   # not the sliding layers' 8 tokens counted over the context
