@@ -196,3 +196,27 @@ def test_ruler_suite_end_to_end(default_model, capfd, monkeypatch, tmp_path):
                         "--methods", "bf16", "--device", "cpu", "--json", str(tmp_path / "none.json"))
     assert code == 1 and "--context 64: no task of the suite fits" in out and len(out.strip().splitlines()) == 1
     assert not (tmp_path / "none.json").exists()
+
+
+def test_table_and_plot_give_prompt_counts_and_tasks_left_out():
+    from rich.console import Console
+
+    from oscar_cli.commands.eval import plot_ruler, ruler_tables
+
+    report = {"model": "m", "bundle": "b v1", "device": "cpu", "samples": 4, "contexts": [512, 1024],
+              "methods": ["bf16", "oscar"], "labels": {"bf16": "BF16", "oscar": "OSCAR INT2"},
+              "bits_per_element": {m: {"512": 2.5, "1024": 2.5} for m in ("bf16", "oscar")},
+              "prompts": {"512": {"niah_single": 4}, "1024": {"niah_single": 4, "common_words": 4}},
+              "skipped": {"512": {"common_words": "common_words needs more than 512 tokens"}, "1024": {}},
+              "scores": {"bf16": {"512": {"niah_single": 1.0}, "1024": {"niah_single": 0.75, "common_words": 0.5}},
+                         "oscar": {"512": {"niah_single": 0.5}, "1024": {"niah_single": 0.25, "common_words": 0.3}}},
+              "average": {"bf16": {"512": 1.0, "1024": 0.625}, "oscar": {"512": 0.5, "1024": 0.275}}}
+    console = Console(width=250, record=True)
+    for t in ruler_tables(report):
+        console.print(t)
+    shown = console.export_text()
+    assert "RULER-style @ 512 tokens · 4 prompts per task on cpu" in shown
+    assert "common_words left out: common_words needs more than 512 tokens" in shown
+    rows = [re.findall(r"[\w.%]+", line) for line in shown.splitlines() if "average" in line]
+    assert rows == [["average", "4", "100.0%", "50.0%"], ["average", "8", "62.5%", "27.5%"]]
+    assert plot_ruler(report)[:8] == b"\x89PNG\r\n\x1a\n"

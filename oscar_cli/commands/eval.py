@@ -132,7 +132,7 @@ def short(c) -> str:
 
 
 def two_panels(report: dict, series, left: tuple[str, str], cells: list, score, labels: list[str],
-               right: tuple[str, str], log: bool = False) -> bytes:
+               right: tuple[str, str], log: bool = False, ylim: tuple[float, float] | None = None) -> bytes:
     """PNG bytes of a two-panel figure. Left: series(method, context) per method over the contexts (log2 axis),
     left = (y label, title). Right: a method x cell grid of score(method, cell) in [0, 1], labels under each cell,
     right = (x label, title)."""
@@ -148,6 +148,8 @@ def two_panels(report: dict, series, left: tuple[str, str], cells: list, score, 
         ax.plot(ctx, [series(m, str(c)) for c in ctx], marker="o", label=f"{report['labels'][m]} ({bits:.2f} b/elt)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log" if log else "linear")
+    if ylim:
+        ax.set_ylim(ylim)
     ax.set_xticks(ctx, [short(c) for c in ctx])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel(left[0])
@@ -188,10 +190,10 @@ def plot_ruler(report: dict) -> bytes:
     prompts = report["prompts"]
     cells = [(c, t) for c in map(str, report["contexts"]) for t in prompts[c]]
     return two_panels(report, lambda m, c: report["average"][m][c],
-                      ("average score over tasks", f"RULER-style average ({report['samples']} prompts a task)"),
+                      ("average score over tasks", f"RULER-style average (n = {report['samples']} a task)"),
                       cells, lambda m, cell: report["scores"][m][cell[0]][cell[1]],
                       [f"{short(c)}\n{t.replace('_', chr(10))}\nn={prompts[c][t]}" for c, t in cells],
-                      ("context / task / prompts", "RULER-style tasks (string match)"))
+                      ("context / task / prompts", "RULER-style tasks (string match)"), ylim=(-0.02, 1.02))
 
 
 def register(app: typer.Typer) -> None:
