@@ -95,8 +95,10 @@ class Sample:
 
 def haystack(source: str, tokenizer, length: int) -> Haystack:
     """The first max(length, HAYSTACK_TOKENS) tokens of a source (fewer if it is shorter; the default held-out text
-    is about 43K) and the words of that text: prompts of every length draw their haystacks from all of it."""
-    tokens = heldout_tokens(source, tokenizer, max(length, HAYSTACK_TOKENS))
+    is about 43K), its documents joined by a blank line rather than EOS (no prompt holds an end of text), and the
+    words of that text: prompts of every length draw their haystacks from all of it."""
+    stream, blank = heldout_tokens(source, tokenizer, max(length, HAYSTACK_TOKENS)).tolist(), encode(tokenizer, "\n\n")
+    tokens = torch.tensor([t for i in stream for t in (blank.tolist() if i == tokenizer.eos_token_id else [i])])
     words = sorted(set(re.findall(r"\b[a-z]{4,10}\b", tokenizer.decode(tokens.tolist()))))
     return Haystack(source, tokens, tuple(words))
 

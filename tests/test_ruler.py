@@ -136,6 +136,11 @@ def test_a_task_that_does_not_fit(hay):
         fitting_tasks(RulerRequest(contexts=[3000, 200], tasks=["niah_single"]), BosTokenizer(), hay)
 
 
+def test_the_haystack_is_the_held_out_text_without_eos(hay):
+    assert EOS not in hay.tokens.tolist() and hay.tokens.numel() > 65536
+    assert "\n\nWhat's New in IDLE" in text(hay.tokens) and "editor" in hay.words and "IDLE" not in hay.words
+
+
 def test_a_haystack_source_too_short(tmp_path):
     (tmp_path / "short.txt").write_text("some words of text, " * 40)
     short = ruler.haystack(str(tmp_path / "short.txt"), BosTokenizer(), 3000)
