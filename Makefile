@@ -24,14 +24,14 @@ test-slow:
 	$(PY) -m pytest -q -m slow
 
 bench-calibrate:
-	$(PY) bench/calibrate_overhead.py --out bench/results/calibrate_overhead.md
+	$(PY) -m bench.calibrate_overhead --out bench/results/calibrate_overhead.md
 
 bench-kernel:
-	$(PY) bench/kernel.py --out bench/results/kernel.md
+	$(PY) -m bench.kernel --out bench/results/kernel.md
 
 fidelity:
 	$(VENV)/bin/oscar calibrate --samples 8 --seq-len 512 --out runs/smollm2
-	$(PY) bench/fidelity.py --calib runs/smollm2 --bundle zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1 \
+	$(PY) -m bench.fidelity --calib runs/smollm2 --bundle zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1 \
 		--out bench/results/fidelity.md
 
 zoo:

@@ -3,7 +3,7 @@
 Same model, same token samples; plain and hooked passes alternate so that machine noise hits both
 alike; the median of each is reported. Target: hooks cost at most 25% over plain forward passes.
 
-    .venv/bin/python bench/calibrate_overhead.py --out bench/results/calibrate_overhead.md
+    .venv/bin/python -m bench.calibrate_overhead --out bench/results/calibrate_overhead.md     (make bench-calibrate)
 """
 
 import argparse
@@ -77,7 +77,7 @@ def main():
         f"{'met' if overhead <= 0.25 else 'missed'}.", "",
         "The hooks add, per layer, four batched float64 Gram products (C_Q, C_S, key and value second moments)",
         "and two sums; the probes for the clip search are copied only from the first samples.",
-        f"Command: `.venv/bin/python bench/calibrate_overhead.py --seq-len {args.seq_len} --batch-size "
+        f"Command: `.venv/bin/python -m bench.calibrate_overhead --seq-len {args.seq_len} --batch-size "
         f"{args.batch_size} --reps {args.reps}`", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))

@@ -4,8 +4,8 @@ Random-initialised models with real shapes, built on the GPUs (no download): eac
 own generator seeded by its name, on the device it lives on, so every process and every placement holds the
 same weights. A byte-level tokenizer (built here) turns generated text into samples.
 
-    python bench/distributed.py --out bench/results/distributed.md            # on a host with 2 GPUs
-    python bench/distributed.py --tiny --device cpu --out /tmp/dry.md          # dry run of the whole script
+    python -m bench.distributed --out bench/results/distributed.md            # on a host with 2 GPUs
+    python -m bench.distributed --tiny --device cpu --out /tmp/dry.md          # dry run of the whole script
 
 Per model: `calibrate` in one process on one GPU, then in two processes (torchrun, NCCL) on two GPUs, or, for a
 model larger than one GPU, in one process sharded over both (accelerate device map); tokens/s over the steady
@@ -29,7 +29,6 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MODELS = {
     # name: (transformers config class, config fields); shapes of the published configs
@@ -174,14 +173,14 @@ def run_worker(args, name: str, calib: Path, processes: int, shard: bool) -> dic
               str(args.samples), "--seq-len", str(args.seq_len), "--device", args.device]
     if shard:
         common.append("--shard")
-    script = str(Path(__file__).resolve())
     if processes == 1:
-        cmd = [sys.executable, script, *common]
+        cmd = [sys.executable, "-m", "bench.distributed", *common]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-               "--nproc-per-node", str(processes), script, *common]
+               "--nproc-per-node", str(processes), "--module", "bench.distributed", *common]
     t0 = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = calib.parent / f"{calib.name}.log"
     log.write_text(result.stdout + result.stderr)
     if result.returncode != 0:
@@ -276,7 +275,7 @@ def bench(args) -> None:
     cores = len(os.sched_getaffinity(0))
     device = "CPU (dry run)" if args.device == "cpu" else \
         f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    lines = [f"# Calibration on several GPUs (`bench/distributed.py`)", "",
+    lines = ["# Calibration on several GPUs (`python -m bench.distributed`)", "",
              f"{device}, {cores} CPU cores, torch {torch.__version__}; random-initialised models "
              f"{'(tiny configs)' if args.tiny else 'with real shapes'}; "
              f"{args.samples} samples x {args.seq_len} tokens, batch 1, {'float32' if args.device == 'cpu' else 'BF16'} weights, float64 statistics; "

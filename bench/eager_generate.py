@@ -15,14 +15,12 @@ prefill and the captures) under cProfile (the host functions with the most time 
 each part) and under torch.profiler (the device's busy time a step against the step's, its top kernels); and every
 arm's decode step of one layer alone, looped at fixed buffers (layer_steps), once a round.
 
-    PYTHONPATH=. python3 bench/eager_generate.py --model qwen2.5-coder-0.5b --points 32000x1,8192x8 \\
+    python -m bench.eager_generate --model qwen2.5-coder-0.5b --points 32000x1,8192x8 \\
         > bench/results/eager_generate_qwen_h200.txt
-    PYTHONPATH=. python3 bench/eager_generate.py --model smollm2-135m --points 8000x1 \\
+    python -m bench.eager_generate --model smollm2-135m --points 8000x1 \\
         > bench/results/eager_generate_smollm2_h200.txt
-    PYTHONPATH=. python3 bench/eager_generate.py --model qwen2.5-coder-0.5b --points 32000x1 \\
-        > bench/results/eager_generate_profile_qwen32k_h200.txt
-(The results files of v38 in kernel_notes.md were made before the torch.profiler part was added; the last, v39,
-after.)
+    python -m bench.eager_generate --model qwen2.5-coder-0.5b --points 32000x1 \\
+        > bench/results/eager_generate_profile_qwen32k_h200.txt     (with the torch.profiler part)
 """
 
 import argparse
@@ -31,18 +29,15 @@ import cProfile
 import functools
 import io
 import pstats
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import wall
 from oscar_core.bundle import load_bundle
 from oscar_core.cache import OscarCache, oscar_attention
 from oscar_core.triton import decode
-
-sys.path.insert(0, "bench")
-from eager_parts import wall  # noqa: E402
 
 ARMS = ("oscar", "oscar-split", "oscar-direct", "bf16")
 PROFILE_AFTER = 8      # the steps the profile leaves out (the graphs are captured on the first two)
@@ -254,7 +249,7 @@ def patched(arm: str):
 
 
 def layer_steps(model, cache, ids, steps: int = 300) -> tuple[float, float]:
-    """(µs of host time, µs of wall time) a decode step of one layer takes alone, looped at fixed buffers (eager_parts'
+    """(µs of host time, µs of wall time) a decode step of one layer takes alone, looped at fixed buffers (bench.common's
     wall: 10 steps' warm-up, then `steps`): the cache's update and its attention (OscarCache: layer 0's update and
     kernel read after a prefill of ids' first tokens; None: a DynamicLayer's update, torch.cat, and sdpa as
     transformers calls it)."""

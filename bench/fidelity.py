@@ -5,8 +5,9 @@ U·H, U·H·P_br) with and without calibrated clipping, with and without key cen
 held-out text (Python's IDLE docs) the attention-logit error (keys) and attention-output error (values)
 of each, per layer; then the same for the exported bundle. Writes a markdown report and a PNG.
 
-    .venv/bin/python bench/fidelity.py --calib runs/smollm2 --bundle zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1 \
-        --out bench/results/fidelity.md
+    .venv/bin/oscar calibrate --samples 8 --seq-len 512 --out runs/smollm2
+    .venv/bin/python -m bench.fidelity --calib runs/smollm2 --bundle zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1 \
+        --out bench/results/fidelity.md        (both: make fidelity)
 """
 
 import argparse
@@ -146,7 +147,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/fidelity.md")
     args = p.parse_args()
-    args.command = "bench/fidelity.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None)
+    args.command = "python -m bench.fidelity " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None)
     t = time.time()
     m, rows = measure(args)
     text, verdicts = report(m, rows, args, time.time() - t)

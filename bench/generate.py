@@ -5,7 +5,7 @@ Each (context, batch) point runs these arms on the same prompts (B windows of th
 oscar, one token stream cycled from B offsets when the text is shorter than B·context):
   bf16-static   transformers StaticCache, prefill through the model with a DynamicCache (flash SDPA, causal)
                 copied in, then every decode step one CUDA-graph replay (oscar_core.decode_graph)
-  bf16-flash    the same cache and graph, attention as flash SDPA over the whole buffer (bench/serve.py's
+  bf16-flash    the same cache and graph, attention as flash SDPA over the whole buffer (bench.serve's
                 stand-in for the best BF16 step: its time, not its tokens, which read the few unwritten slots)
   oscar-graph   OscarCache(bundle, "oscar") inside oscar_attention: the prefill writes the INT2 stores
                 (write.prefill_kv), then every decode step one CUDA-graph replay
@@ -16,17 +16,15 @@ arm runs once on the first 1,024 tokens before, so Triton compiles there). 'same
 to bf16-static's before the first difference, mean over sequences (INT2 and BF16 caches differ, so greedy
 paths part at some point; a quality figure is `oscar eval`'s perplexity, bench/results/real_models.md).
 
-    python3 bench/generate.py --model packaged:Qwen2.5-Coder-0.5B-Instruct \\
+    python -m bench.generate --model packaged:Qwen2.5-Coder-0.5B-Instruct \\
         --bundle zoo/Qwen/Qwen2.5-Coder-0.5B-Instruct/v1 --points 8192x32,32000x1,32000x8,32000x32 \\
         --out bench/results/generate_qwen.md --json bench/results/generate_qwen.json
-    python3 bench/generate.py --bundle zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1 --points 8000x8,8000x32 \\
+    python -m bench.generate --bundle zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1 --points 8000x8,8000x32 \\
         --out bench/results/generate_smollm2.md --json bench/results/generate_smollm2.json
 """
 
 import argparse
 import contextlib
-import datetime
-import functools
 import gc
 import json
 import sys
@@ -35,36 +33,15 @@ from pathlib import Path
 
 import torch
 
-from oscar_core import data
+from bench.common import GIB, attention_for, utc_now
 from oscar_core.bundle import load_bundle
 from oscar_core.cache import OscarCache, oscar_attention
+from oscar_core.data import heldout_prompts
 from oscar_core.decode_graph import GreedyDecoder
 from oscar_core.errors import OscarError
+from oscar_core.metrics import same_prefix
 from oscar_core.models import load_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from serve import attention_for  # noqa: E402
-
-GIB = 2 ** 30
 ARMS = ("bf16-static", "bf16-flash", "oscar-graph", "oscar-eager", "bf16-generate")
-
-
-@functools.lru_cache(maxsize=None)
-def heldout_stream(tokenizer) -> tuple:
-    """The held-out text's documents tokenized and joined by the end-of-sequence token (once per tokenizer)."""
-    stream = []
-    for doc in data.texts(data.DEFAULT_HELDOUT):
-        stream += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return tuple(stream)
-
-
-def prompts(tokenizer, context: int, batch: int) -> torch.Tensor:
-    """[batch, context] token ids: sequence b starts b/batch of the way into the held-out token stream, cycled."""
-    stream = heldout_stream(tokenizer)
-    ids = torch.tensor(stream)
-    reps = -(-(context + len(ids)) // len(ids)) + 1
-    ids = ids.repeat(reps)
-    return torch.stack([ids[b * len(stream) // batch:][:context] for b in range(batch)])
 
 
 def bf16_cache(model, ids: torch.Tensor, new_tokens: int):
@@ -158,14 +135,6 @@ def run_arm(lm, bundle, arm: str, ids: torch.Tensor, new_tokens: int) -> dict:
     return row
 
 
-def same_prefix(tokens: torch.Tensor, ref: torch.Tensor) -> float:
-    """Mean over sequences of the greedy tokens equal to ref's before their first difference."""
-    n = min(tokens.shape[1], ref.shape[1])
-    diff = (tokens[:, :n] != ref[:, :n]).int()
-    first = torch.where(diff.any(1), diff.argmax(1), torch.full((diff.shape[0],), n))
-    return first.float().mean().item()
-
-
 def table(rows: list) -> list:
     """The results table's lines: each arm's tokens/s against bf16-static's and bf16-flash's at its point."""
     lines = ["| context x batch | arm | prefill s | ms a step | tokens/s | vs bf16-static | vs bf16-flash | cache GiB "
@@ -193,12 +162,12 @@ def render(rows: list, lm, bundle, args) -> str:
     import transformers
 
     lines = [f"# Generation on real weights ({gpu})", "",
-             f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}, "
+             f"- {utc_now()}; torch {torch.__version__}, "
              f"transformers {transformers.__version__}; model `{args.model}` "
              f"({lm.info.architecture}, {lm.model.config.num_hidden_layers} layers, "
              f"{lm.model.config.num_attention_heads} / {lm.model.config.num_key_value_heads} heads, bf16), "
              f"bundle `{args.bundle}` ({bundle.manifest.name})",
-             f"- `python3 bench/generate.py {' '.join(sys.argv[1:])}`",
+             f"- `python -m bench.generate {' '.join(sys.argv[1:])}`",
              f"- {args.new_tokens} greedy tokens a sequence; ms a step and tokens/s over the steps after the "
              "capture; cache: the bytes the cache holds (StaticCache: its buffers; OscarCache.nbytes; DynamicCache: "
              "2 · layers · B · H_kv · (context + new tokens) · d · 2)", ""]
@@ -217,7 +186,7 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("error: bench/generate.py needs a CUDA GPU (its decode steps are CUDA-graph replays)")
+        sys.exit("error: bench.generate needs a CUDA GPU (its decode steps are CUDA-graph replays)")
     try:
         lm = load_model(args.model, "cuda", "bfloat16")
         bundle = load_bundle(args.bundle, "cuda")
@@ -226,7 +195,7 @@ def main():
     rows = []
     for point in args.points.split(","):
         context, batch = (int(x) for x in point.split("x"))
-        ids = prompts(lm.tokenizer, context, batch).cuda()
+        ids = heldout_prompts(lm.tokenizer, context, batch).cuda()
         for arm in args.arms.split(","):      # compiles the Triton kernels and captures once at this batch
             run_arm(lm, bundle, arm, ids[:, :1024], 8)
         for arm in args.arms.split(","):

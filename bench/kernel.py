@@ -5,43 +5,24 @@ every sequence at the full context; then a shape-coverage table (head_dim 64/128
 64/128, a ragged batch). Times are medians of triton.testing.do_bench (it clears the L2 cache before
 each run). Correctness is checked in the same run against kvstore's reference.
 Imports only torch, triton and oscar_core's torch-only modules, so it runs on a bare GPU image:
-    PYTHONPATH=. python3 bench/kernel.py --out bench/results/kernel.md
+    python -m bench.kernel --out bench/results/kernel.md           # make bench-kernel
+    python -m bench.kernel --quick --out bench/results/kernel_quick.md
 """
 
 import argparse
-import datetime
 import sys
 
 import torch
 import triton
 from triton.testing import do_bench
 
+from bench.common import copy_bandwidth, graph_bench, kernel_times, layer_of, orthogonal, rel_err, utc_now
 from oscar_core import kvstore
 from oscar_core.triton import decode, write
 
 HEADS, KV_HEADS, D, GROUP = 32, 8, 128, 64
 CONTEXTS = (8192, 32768, 100_000)
 BATCHES = (1, 8, 32)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read plus written per second by a 2 GiB device-to-device copy."""
-    src = torch.randn(2**29, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3)
-
-
-def orthogonal(heads, d, gen):
-    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, device="cuda", dtype=torch.float64))[0].float().contiguous()
-
-
-def make_layer(gen):
-    return kvstore.LayerRotation(
-        orthogonal(KV_HEADS, D, gen), orthogonal(KV_HEADS, D, gen),
-        torch.full((KV_HEADS,), 0.96, device="cuda"), torch.full((KV_HEADS,), 0.92, device="cuda"),
-        torch.randn(KV_HEADS, D, generator=gen, device="cuda") * 0.5,
-        torch.randn(KV_HEADS, D, generator=gen, device="cuda") * 0.5)
 
 
 def int2_bytes(batch: int, context: int, sink: int = 64, recent: int = 256) -> int:
@@ -52,44 +33,11 @@ def int2_bytes(batch: int, context: int, sink: int = 64, recent: int = 256) -> i
     return cache + 2 * batch * HEADS * D * 2
 
 
-def graph_bench(fn) -> float:
-    """Median time of a CUDA-graph replay of fn (L2 cleared before each replay): the launch cost a
-    serving engine pays, without Python's per-call overhead."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-
-
-def kernel_times(fn, calls: int = 20, launches: dict | None = None) -> dict:
-    """Device time per call of each kernel fn launches (torch.profiler, eager), in ms; launches, if given,
-    gets each kernel's launches per call."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    times = {}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
-            times[e.key] = times.get(e.key, 0.0) + e.device_time_total / calls / 1e3
-            if launches is not None:
-                launches[e.key] = launches.get(e.key, 0.0) + e.count / calls
-    return times
-
-
 def stage(name: str) -> str:
     for key, label in (("_rotate", "rotate"), ("_split", "split"), ("_reduce", "reduce")):
         if key in name:
             return label
     return "other"
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
 
 
 def bench_config(context, batch, layer, gen, bandwidth, variants):
@@ -246,7 +194,7 @@ def render(rows, sweep, wr, bandwidth, shapes=()) -> str:
     lines = [
         "# INT2 decode attention kernel vs bf16 SDPA",
         "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- date: {utc_now()}",
         f"- GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
         f"triton {triton.__version__}, python {sys.version.split()[0]}",
         f"- shape: {HEADS} query heads, {KV_HEADS} KV heads, head_dim {D}, INT2 groups of {GROUP} (K and V), "
@@ -365,7 +313,7 @@ def main():
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.profile:
-        layer = make_layer(gen)
+        layer = layer_of(KV_HEADS, D, gen)
         context, batch = 32768, 32
         keys = torch.randn(batch, context, KV_HEADS, D, generator=gen, device="cuda", dtype=torch.bfloat16)
         cache = kvstore.empty_cache(batch, KV_HEADS, D, context, GROUP, GROUP, device="cuda")
@@ -379,11 +327,11 @@ def main():
         return
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    layer = make_layer(gen)
+    layer = layer_of(KV_HEADS, D, gen)
     shapes = [] if args.no_shapes else bench_shapes(gen)
     default = [("default", {})]
     extra = {}
-    if args.baseline:   # another version, timed on the same caches (the A/B of kernel_notes.md)
+    if args.baseline:   # another version of decode.py, timed on the same caches
         import importlib.util
         spec = importlib.util.spec_from_file_location("decode_baseline", args.baseline)
         base = importlib.util.module_from_spec(spec)
@@ -391,7 +339,7 @@ def main():
         for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1)):
             extra[key] = [("baseline", {}, base.decode_attention)]
     for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8)):
-        extra.setdefault(key, []).append(("triton INT2 (v7)", dict(gluon=False)))
+        extra.setdefault(key, []).append(("triton INT2", dict(gluon=False)))
     for key in ((32768, 1), (8192, 1)):   # where the default keeps the Triton programs
         extra.setdefault(key, []).append(("gluon", dict(gluon=True)))
     for key in ((100_000, 8), (100_000, 32)):

@@ -2,7 +2,7 @@
 ATEN_CPU_CAPABILITY) and across calibration seeds. The tolerances of oscar_core/equivalence.py and the verify
 margins of oscar_core/zoo.py are set from these figures.
 
-    .venv/bin/python bench/reproducibility.py --work runs/repro --out bench/results/reproducibility.md
+    .venv/bin/python -m bench.reproducibility --work runs/repro --out bench/results/reproducibility.md
 
 Each rebuild runs the zoo recipe in a subprocess with ATEN_CPU_CAPABILITY set (kept under --work, reused when
 present); then every rebuild is compared with the committed bundle by the measures `oscar zoo check` uses, and
@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from oscar_core import zoo
+from oscar_core.bundle import load_bundle
+from oscar_core.equivalence import TOLERANCES, kind_of, tensor_deviation
 
-from oscar_core import zoo  # noqa: E402
-from oscar_core.bundle import load_bundle  # noqa: E402
-from oscar_core.equivalence import TOLERANCES, kind_of, tensor_deviation  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -74,8 +73,8 @@ def main() -> None:
         out = args.work / f"{capability}-s{seed}"
         if not (out / "info.json").is_file():
             env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-            subprocess.run([sys.executable, __file__, "--rebuild", str(out), "--seed", str(seed).split("-")[0]],
-                           env=env, check=True)
+            subprocess.run([sys.executable, "-m", "bench.reproducibility", "--rebuild", str(out), "--seed",
+                            str(seed).split("-")[0]], env=env, cwd=ROOT, check=True)
     same_machine = zoo.differences(args.work / f"{native}-s0" / "zoo" / NAME / "v1",
                                    args.work / f"{native}-s0-again" / "zoo" / NAME / "v1") == []
 
@@ -112,7 +111,7 @@ def write_report(path: Path, rows: list[dict], recorded: dict, native: str, same
     isa = [r for r in rows if r["seed"] == 0]
     seeds = [r for r in rows if r["seed"] != 0]
     lines = [
-        "# Reproducibility of the default bundle across instruction sets and seeds (`bench/reproducibility.py`)",
+        "# Reproducibility of the default bundle across instruction sets and seeds (`python -m bench.reproducibility`)",
         "",
         f"Machine: {torch.__version__}, {os.cpu_count()} cores, native capability {native.upper()}. The default zoo "
         "recipe (SmolLM2-135M, 8 × 512 tokens) rebuilt under each `ATEN_CPU_CAPABILITY`, and with other calibration "

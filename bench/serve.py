@@ -28,17 +28,19 @@ shrinks in every arm alike, and what is left between the arms is their attention
 Long contexts are filled synthetically: random post-RoPE keys and values of `context` tokens written
 into each cache by its real write path (BF16: the cache's update; INT2: the Triton prefill kernel), then
 greedy decode steps run through the whole model (decode_graph.GreedyDecoder). Prefill through the model
-is timed separately at a size that fits (the write kernels alone: bench/write.py).
+is timed separately at a size that fits (the write kernels alone: bench.write).
 A torch.profiler trace of one eager decode step counts host-to-device copies, syncs and launches.
 
-    python3 bench/serve.py --out bench/results/serve.md
-    python3 bench/serve.py --model Qwen3-32B --layers 24 --out bench/results/serve_qwen3_32b.md   (GQA 8)
-    python3 bench/serve.py --quick --arms bf16-dynamic,bf16-flash,int2-eager,int2-graph \\
+    python -m bench.serve --out bench/results/serve.md
+    python -m bench.serve --quick --absorb-values --points 32768x8,102400x4,102400x30 \\
+        --out bench/results/serve_quick_absorbed.md        (add --compile: serve_quick_compiled.md)
+    python -m bench.serve --model Gemma3-12B --quick --points 32768x8,102400x4,102400x8 \\
+        --out bench/results/serve_quick_gemma3_12b.md
+    python -m bench.serve --quick --arms bf16-dynamic,bf16-flash,int2-eager,int2-graph \\
         --points 32768x8,102400x4,32768x1 --out bench/results/serve_eager_h200.md   (the eager arms beside the graphs)
 """
 
 import argparse
-import datetime
 import gc
 import json
 import sys
@@ -48,13 +50,12 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.common import GIB, attention_for, utc_now
 from oscar_core import kvstore
+from oscar_core.cache import OscarCache, memory_plan
+from oscar_core.decode_graph import GreedyDecoder, compile_shared_parts
 from oscar_core.layers import layer_specs
 from oscar_core.layers import windows as specs_windows
-from oscar_core.cache import OscarCache, memory_plan
-from oscar_core.decode_graph import GreedyDecoder
-
-GIB = 2 ** 30
 ARMS = ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
 SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
          "aten::_local_scalar_dense"}
@@ -100,24 +101,6 @@ def qwen3_model(layers: int, name: str = "Qwen3-8B"):
     with torch.device("cuda"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return model.eval()
-
-
-def compile_shared_parts(model) -> int:
-    """Replace every RMSNorm and MLP module of `model` with its torch.compile'd form (fixed shapes, one graph each);
-    attention, its projections and the caches stay as they are. Returns the modules compiled."""
-    import torch._dynamo
-
-    # Every layer's modules share one compiled graph a shape; each (batch, module kind) is a shape of its own.
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 256)
-    done = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__.endswith(("RMSNorm", "MLP")):
-                setattr(parent, name, torch.compile(child, dynamic=False, fullgraph=True))
-                done += 1
-    return done
 
 
 def layer_windows(config) -> dict | None:
@@ -210,22 +193,6 @@ class FlashRing:
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
-
-
-def flash_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """bf16-flash: SDPA over every slot of the static buffers, GQA in the kernel, no mask."""
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2), None
-
-
-def attention_for(arm: str, model):
-    """bf16-flash routes attention to flash_attention (the name avoids "flash": transformers reads that
-    as a hub kernel); every other arm keeps the model's sdpa (OscarCache's arms route inside GreedyDecoder)."""
-    from contextlib import nullcontext
-
-    from oscar_core.statistics import route_attention
-
-    return route_attention(model, "bench_gqa_sdpa", flash_attention) if arm == "bf16-flash" else nullcontext()
 
 
 def time_decode(model, cache, arm: str, batch: int, steps: int, warmup: int = 2) -> dict:
@@ -382,7 +349,7 @@ def main():
     compiled = compile_shared_parts(model) if args.compile else 0
     res = dict(model=args.model, key_axis=args.key_axis, value_layout=args.value_layout, device=props.name, total_gib=props.total_memory / GIB, weights_gib=weights / GIB,
                torch=torch.__version__, layers=args.layers, steps=args.steps, build_s=time.perf_counter() - t0,
-               date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+               date=utc_now())
     res["compiled_modules"] = compiled
     import transformers
     import triton

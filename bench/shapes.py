@@ -10,25 +10,21 @@ For each shape class (GQA 1-16, head_dim 64/128/256, groups 64/128, keys per tok
    from Python, as a plain caller sees it), the byte floor (kvstore.store_nbytes plus q and out, over the
    copy bandwidth) and the share of it the graph reaches.
 Imports only torch, triton and oscar_core's torch-only modules, so it runs on a bare GPU image:
-    PYTHONPATH=. python3 bench/shapes.py --out bench/results/shapes.md
+    python -m bench.shapes --out bench/results/shapes.md
+    python -m bench.shapes --no-errors --sizes 100000x8 --out bench/results/shapes_100k.md   # every class at 100K x 8
 --value-layout tiles runs every store with its value codes in 64-row tiles (kvstore's value_layout).
 """
 
 import argparse
-import datetime
 import json
-import os
 import sys
-import time
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(__file__))
-from kernel import copy_bandwidth, graph_bench, orthogonal  # noqa: E402
-
-from oscar_core import kvstore  # noqa: E402
-from oscar_core.triton import decode  # noqa: E402
+from bench.common import copy_bandwidth, eager_ms, graph_bench, layer_of, rel_err, utc_now
+from oscar_core import kvstore
+from oscar_core.triton import decode
 
 SHAPES = [  # label, query heads, KV heads, head_dim, key group (or block), value group, key axis
     ("Qwen3-8B 32/8 d128", 32, 8, 128, 64, 64, "token"),
@@ -55,52 +51,6 @@ RAGGED = [7, 700, 4097, 12345]
 VALUE_LAYOUT = [kvstore.DEFAULT_VALUE_LAYOUT]     # --value-layout: every store this run builds
 
 
-def layer_of(kv_heads, d, gen):
-    return kvstore.LayerRotation(orthogonal(kv_heads, d, gen), orthogonal(kv_heads, d, gen),
-                                 torch.full((kv_heads,), 0.96, device="cuda"),
-                                 torch.full((kv_heads,), 0.92, device="cuda"),
-                                 torch.randn(kv_heads, d, generator=gen, device="cuda") * 0.5,
-                                 torch.randn(kv_heads, d, generator=gen, device="cuda") * 0.5)
-
-
-def eager_ms(fn, calls: int = 100) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e3
-
-
-def rel_err(out, ref) -> float:
-    err = ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    return err if err == err else float("inf")
-
-
-def equal_verdict(err: float) -> str:
-    """An A/B's outputs were bit-identical; err: against the reference (bench/value_layout.py, bench/pdl.py)."""
-    return f"equal, err {err:.1e}" if err < 1e-2 else f"equal, err {err:.1e} over 1e-2"
-
-
-def write_ab(out, lines, chosen, points, gen, same_outputs, times, header: str, row) -> None:
-    """The two tables of an A/B bench (bench/value_layout.py, bench/pdl.py) after its header lines: each chosen
-    shape's same_outputs(shape, gen), then a point a row, row(times(shape, context, bsz, gen)) after its label
-    (header: that table's first line); printed as they come, then written to out."""
-    lines += ["| shape | outputs |", "|---|---|"]
-    for shape in chosen:
-        lines.append(f"| {shape[0]} | {same_outputs(shape, gen)} |")
-        print(lines[-1], flush=True)
-    lines += ["", header, "|" + "---|" * (header.count("|") - 1)]
-    for shape, context, bsz in points:
-        lines.append(f"| {shape[0]} | {context} x {bsz} | {row(times(shape, context, bsz, gen))} |")
-        print(lines[-1], flush=True)
-        torch.cuda.empty_cache()
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 def sdpa_call(q, kv_heads, context, gen):
     """The BF16 baseline: torch's SDPA (enable_gqa) of q [B, H, d] over random K/V [B, H_kv, context, d], as a
     call of no arguments (its K/V live as long as it does)."""
@@ -111,11 +61,6 @@ def sdpa_call(q, kv_heads, context, gen):
     return lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=d ** -0.5, enable_gqa=True)
 
 
-def timing_inputs(shape, bsz, gen) -> tuple:
-    """A random layer for a shape class, a bf16 query [bsz, heads, d] and an output buffer like it."""
-    _, heads, kv_heads, d, *_ = shape
-    q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
-    return layer_of(kv_heads, d, gen), q, torch.empty_like(q)
 
 
 def check(shape, gen) -> dict:
@@ -209,12 +154,12 @@ def time_size(shape, context, bsz, bandwidth, gen) -> dict:
 def render(checks, rows, bandwidth) -> str:
     props = torch.cuda.get_device_properties(0)
     lines = [
-        "# INT2 decode attention on every shape class vs bf16 SDPA (bench/shapes.py)", "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; GPU: {props.name}; torch "
+        "# INT2 decode attention on every shape class vs bf16 SDPA (python -m bench.shapes)", "",
+        f"- date: {utc_now()}; GPU: {props.name}; torch "
         f"{torch.__version__}, triton {triton.__version__}; copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s",
         "- 64 sink + 256 recent tokens in BF16 (plus the key block's ring for keys per channel); one query token "
         f"per sequence, every sequence at the full context; value codes in {VALUE_LAYOUT[0]} (kvstore's value_layout)",
-        "- graph: median CUDA-graph replay (bench/kernel.py graph_bench, L2 cleared before each); eager: wall clock per call of 100 calls "
+        "- graph: median CUDA-graph replay (bench.common.graph_bench, L2 cleared before each); eager: wall clock per call of 100 calls "
         "from Python; x SDPA: SDPA time / INT2 time, same mode; of floor: floor time / INT2 graph time",
         "- err: max over rows of ‖out − ref‖/‖ref‖ against kvstore.decode_attention_reference, ragged lengths "
         f"{RAGGED}, with and without the value mean", "",

@@ -14,25 +14,20 @@ bandwidth (bytes read plus written). Rows:
 Codes agree with kvstore's reference on a 4,096-token prefill (share of equal codes, scale and zero codes).
 At head_dim 256 a program rotates C = 128 channels (write.columns; the sweep adds C = 64) and the sweep is smaller
 (tiles of 64 and 32, waves 2-8, loading ahead or not). For a bare GPU image:
-    PYTHONPATH=. python3 bench/write.py --out bench/results/write.md
-    PYTHONPATH=. python3 bench/write.py --head-dim 256 --out bench/results/write_d256.md
+    python -m bench.write --out bench/results/write_h100.md
+    python -m bench.write --head-dim 256 --out bench/results/write_d256.md
 """
 
 import argparse
-import datetime
 import json
 import os
-import sys
 
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(__file__))
-from kernel import copy_bandwidth  # noqa: E402
-from shapes import layer_of  # noqa: E402
-
-from oscar_core import kvstore, quant  # noqa: E402
-from oscar_core.triton import write  # noqa: E402
+from bench.common import copy_bandwidth, layer_of, utc_now
+from oscar_core import kvstore, quant
+from oscar_core.triton import write
 
 TOKENS, HEADS, D = 100_000, 8, 128
 
@@ -140,9 +135,9 @@ def bench_side(gen, bandwidth: float) -> list[dict]:
 
 
 def render(rows: list[dict], bandwidth: float) -> str:
-    lines = [f"# INT2 write path at 100K tokens x {HEADS} KV heads x d {D} (bench/write.py)", "",
+    lines = [f"# INT2 write path at 100K tokens x {HEADS} KV heads x d {D} (python -m bench.write)", "",
              f"{torch.cuda.get_device_properties(0).name}; torch {torch.__version__}; "
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; copy bandwidth "
+             f"{utc_now()}; copy bandwidth "
              f"{bandwidth / 1e12:.2f} TB/s (read + write). Effective bandwidth: BF16 in plus INT2 codes, scale and zero "
              "codes out, over the median time. Equal: worst share of codes / scale / zero codes equal to kvstore's "
              "reference on a 4,096-token prefill.", ""]

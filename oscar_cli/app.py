@@ -7,7 +7,7 @@ import typer
 
 from oscar_cli.ui import err_console
 from oscar_core.distributed import LAUNCHED, record_error
-from oscar_core.errors import OscarError
+from oscar_core.errors import OscarError, UsageError
 
 app = typer.Typer(
     name="oscar",
@@ -46,7 +46,7 @@ upstream.register(app)
 
 
 def main() -> None:
-    """Entry point: user errors become one line on stderr and exit code 1, never a traceback."""
+    """Entry point: user errors become one line on stderr and exit code 1 (2 for usage errors), never a traceback."""
     try:
         rc = app(standalone_mode=False)
         sys.exit(rc if isinstance(rc, int) else 0)
@@ -54,22 +54,20 @@ def main() -> None:
         record_error(e)
         if not os.environ.get(LAUNCHED):  # under `oscar calibrate --gpus N` the launcher prints the one line
             err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        sys.exit(2 if isinstance(e, UsageError) else 1)
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
         sys.exit(130)
     except SystemExit:
         raise
+    except typer.Abort:
+        sys.exit(1)
+    except typer.TyperException as e:  # a bad or missing flag or argument (click's usage errors): exit 2
+        err_console.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
         if os.environ.get("OSCAR_DEBUG"):
             raise
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(1)
         record_error(e)
         if os.environ.get(LAUNCHED):
             sys.exit(1)

@@ -14,49 +14,80 @@ A bundle is a directory `<zoo>/<org>/<model>/<version>/` with
   A hybrid model's bundle has these tensors only for the layers listed in rotation.layers, and so has a model
   with sliding layers whose window is too short for INT2 (rotation.windows, rotation.layers_reason).
 - manifest.json: the Manifest below; tensors.sha256 is the checksum of rotations.safetensors.
+
+The schema holds every value to what the format allows (finite numbers, counts and windows >= 0, clips in (0, 1],
+group sizes that are powers of two dividing head_dim, layer ids within the model, names that are plain relative
+paths, tensors.file a bare file name), so a bad manifest fails at load, whoever loads it.
 """
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from oscar_core import __version__
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_dir, canonical_json, sha256_bytes
+from oscar_core.fileio import atomic_write_dir, canonical_json, check_name, sha256_bytes
 
 SCHEMA_VERSION = 1
 TENSOR_FILE = "rotations.safetensors"
 MANIFEST_FILE = "manifest.json"
 CONTEXTS_REPORTED = (32768, 131072)
+MAX_TOKENS = 1 << 24                    # the largest sink or recent window (tokens) a manifest may give
+NAME = r"^[A-Za-z0-9._-]+/[A-Za-z0-9._-]+$"
+VERSION = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+TEXT = r"^[^\x00-\x1f\x7f]*$"          # one line: no control characters (they reach cards and tables)
+
+
+def group_size_problem(size: int, head_dim: int) -> str | None:
+    """Why `size` cannot group head_dim channels (or tokens) for INT2, or None: it must be a power of two of at
+    least 4 that divides head_dim."""
+    if size < 4 or size & (size - 1) or head_dim % size:
+        return f"group size {size} must be a power of two of at least 4 that divides head_dim {head_dim}"
+    return None
+
+
+def plain_name(name: str, what: str) -> str:
+    """fileio.check_name as a pydantic validator: its OscarError as the ValueError pydantic reports."""
+    try:
+        return check_name(name, what)
+    except OscarError as e:
+        raise ValueError(str(e)) from None
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class ModelInfo(Strict):
-    id: str = Field(description="hub id, directory name or .gguf file name")
+    id: str = Field(min_length=1, pattern=TEXT, description="hub id, directory name or .gguf file name")
     revision: str | None = Field(None, description="hub commit, when loaded from a hub")
     file_sha256: str | None = Field(None, description="sha256 of the weights file, when loaded from a file")
     config_sha256: str = Field(description="sha256 of the canonical attention facts of the config")
-    architecture: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
+    architecture: str = Field(pattern=TEXT)
+    num_layers: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    max_position_embeddings: int = Field(ge=0)
     rope_position: Literal["post_rope"] = "post_rope"
+
+    @model_validator(mode="after")
+    def _heads_group(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        return self
 
 
 class LayerQuant(Strict):
     """How one layer's keys are quantized, and the figures that decided it (oscar_core/derive.choose_key_axis)."""
-    layer: int
+    layer: int = Field(ge=0)
     key_axis: Literal["token", "channel"] = Field(
         description="token: groups of G channels of one token; channel: groups of G tokens of one channel")
     key_format: str | None = Field(None, description="the axis and the rotation of the kept keys, e.g. 'channel U_Q'")
@@ -66,23 +97,31 @@ class LayerQuant(Strict):
 
 class QuantInfo(Strict):
     bits: Literal[2] = 2
-    key_group_size: int = 64
-    value_group_size: int = 64
+    key_group_size: int = Field(64, ge=1)
+    value_group_size: int = Field(64, ge=1)
     scale_format: Literal["log2-u8+zero-quarter-i8"] = "log2-u8+zero-quarter-i8"
-    key_clip: float = Field(description="mean of the calibrated per-head key clip ratios")
-    value_clip: float = Field(description="mean of the calibrated per-head value clip ratios")
+    key_clip: float = Field(gt=0, le=1, description="mean of the calibrated per-head key clip ratios")
+    value_clip: float = Field(gt=0, le=1, description="mean of the calibrated per-head value clip ratios")
     clip_scope: Literal["per_layer_head", "global"] = "per_layer_head"
-    clip_objective: str = "keys: attention-logit error; values: attention-output error"
-    sink_tokens: int = 64
-    recent_tokens: int = 256
+    clip_objective: str = Field("keys: attention-logit error; values: attention-output error", pattern=TEXT)
+    sink_tokens: int = Field(64, ge=0, le=MAX_TOKENS)
+    recent_tokens: int = Field(256, ge=0, le=MAX_TOKENS)
     bits_per_element: dict[str, float] = Field(description="context length -> average bits per K/V element")
     layers: list[LayerQuant] | None = Field(None, description="per layer with rotations, the key axis chosen and "
                                             "why; None: every layer's keys per token (bundles before it)")
 
+    @field_validator("bits_per_element")
+    @classmethod
+    def _bits(cls, bits: dict[str, float]) -> dict[str, float]:
+        for context, value in bits.items():
+            if not context.isdigit() or not 0 < value <= 16:
+                raise ValueError(f"{context!r}: {value} is not a context length (digits) with bits in (0, 16]")
+        return bits
+
 
 class RotationInfo(Strict):
-    key: str = Field(description="composition of R_K, e.g. 'U_Q·H·P_br'")
-    value: str = Field(description="composition of R_V, e.g. 'U_S·H·P_br'")
+    key: str = Field(pattern=TEXT, description="composition of R_K, e.g. 'U_Q·H·P_br'")
+    value: str = Field(pattern=TEXT, description="composition of R_V, e.g. 'U_S·H·P_br'")
     key_centering: bool = False
     value_centering: bool = False
     hadamard: Literal["sylvester"] = "sylvester"
@@ -96,12 +135,12 @@ class RotationInfo(Strict):
 
 
 class CalibrationInfo(Strict):
-    data: str
-    data_fingerprint: str
-    samples: int
-    seq_len: int
+    data: str = Field(pattern=TEXT)
+    data_fingerprint: str = Field(pattern=TEXT)
+    samples: int = Field(ge=0)
+    seq_len: int = Field(ge=0)
     seed: int | None = Field(description="sampling seed; None when unknown (imported rotations)")
-    tokens: int
+    tokens: int = Field(ge=0)
     model_source: str | None = Field(None, description="where the model was loaded from ('default', a path or a hub "
                                                        "id): verify's hint when --model is not given")
     platform: dict[str, str] | None = Field(None, description="provenance.platform_record() of the build: torch, "
@@ -111,9 +150,16 @@ class CalibrationInfo(Strict):
 
 
 class TensorFileInfo(Strict):
-    file: str = TENSOR_FILE
-    sha256: str
-    bytes: int
+    file: str = Field(TENSOR_FILE, description="a bare file name inside the bundle directory")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+
+    @field_validator("file")
+    @classmethod
+    def _bare(cls, file: str) -> str:
+        if "/" in plain_name(file, "tensors.file"):
+            raise ValueError(f"{file!r} is not a bare file name inside the bundle directory")
+        return file
 
 
 class ToolInfo(Strict):
@@ -136,19 +182,60 @@ class SourceInfo(Strict):
 
 class Manifest(Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
-    name: str = Field(description="<org>/<model>")
-    version: str
+    name: str = Field(pattern=NAME, description="<org>/<model>")
+    version: str = Field(pattern=VERSION)
     model: ModelInfo
     quant: QuantInfo
     rotation: RotationInfo
     calibration: CalibrationInfo
     tensors: TensorFileInfo
     tool: ToolInfo = ToolInfo()
-    max_logit_error: float = Field(0.5, description="oscar verify fails when the OSCAR logit error passes this")
+    max_logit_error: float = Field(0.5, gt=0, description="oscar verify fails when the OSCAR logit error passes this")
     fidelity: dict[str, float] | None = Field(None, description="verify figures, when recorded")
     max_kl: float | None = Field(None, gt=0, description="oscar verify fails when OSCAR's next-token KL (nats) passes "
                                  "this; unset: verify's default (0.1)")
     source: SourceInfo | None = Field(None, description="provenance of an imported bundle")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        return plain_name(name, "bundle name")
+
+    @model_validator(mode="after")
+    def _within_the_model(self):
+        m, q, r = self.model, self.quant, self.rotation
+        for side, size in (("key", q.key_group_size), ("value", q.value_group_size)):
+            if group_size_problem(size, m.head_dim):
+                raise ValueError(f"quant.{side}_group_size: {group_size_problem(size, m.head_dim)}")
+        ids = range(m.num_layers)
+        if r.layers is not None and (not r.layers or sorted(set(r.layers)) != r.layers or not set(r.layers) <= set(ids)):
+            raise ValueError(f"rotation.layers {r.layers} must be distinct, ascending ids of some of the model's "
+                             f"{m.num_layers} layers")
+        for layer, window in (r.windows or {}).items():
+            if not layer.isdigit() or int(layer) not in ids or window < 0:
+                raise ValueError(f"rotation.windows: layer {layer!r} window {window} must name a layer of the model's "
+                                 f"{m.num_layers} with a window >= 0")
+        stray = sorted({e.layer for e in q.layers or ()} - set(bundle_layers(self)))
+        if stray:
+            raise ValueError(f"quant.layers: layer {stray[0]} is not a layer with rotations")
+        return self
+
+
+def schema_message(e: ValidationError) -> str:
+    """The first problem pydantic found, as '<field>: <why>'."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    why = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {why}" if where else why
+
+
+@contextlib.contextmanager
+def schema_errors(what: str):
+    """Inside, a pydantic ValidationError becomes one OscarError line: '<what>: <field>: <why>'."""
+    try:
+        yield
+    except ValidationError as e:
+        raise OscarError(f"{what}: {schema_message(e)}") from None
 
 
 class Bundle(BaseModel):
@@ -249,11 +336,8 @@ def read_manifest(path: str | Path) -> Manifest:
     if not path.is_file():
         raise OscarError(f"not a bundle: {path.parent} has no {MANIFEST_FILE}")
     try:
-        return Manifest.model_validate_json(path.read_text())
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "manifest"
-        raise OscarError(f"invalid manifest {path}: {where}: {first['msg']}") from None
+        with schema_errors(f"invalid manifest {path}"):
+            return Manifest.model_validate_json(path.read_text())
     except UnicodeDecodeError:
         raise OscarError(f"invalid manifest {path}: not UTF-8 text") from None
 
@@ -265,7 +349,12 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu") -> Bundle:
     tensor_path = root / manifest.tensors.file
     if not tensor_path.is_file():
         raise OscarError(f"bundle {root} is missing {manifest.tensors.file}")
+    if tensor_path.resolve().parent != root.resolve():
+        raise OscarError(f"bundle {root}: {manifest.tensors.file} links to {tensor_path.resolve()}, outside the bundle")
     data = tensor_path.read_bytes()
+    if len(data) != manifest.tensors.bytes:
+        raise OscarError(f"bundle {root}: {manifest.tensors.file} holds {len(data):,} bytes, its manifest says "
+                         f"{manifest.tensors.bytes:,} (corrupt or tampered)")
     if sha256_bytes(data) != manifest.tensors.sha256:
         raise OscarError(f"checksum mismatch: {tensor_path} does not match its manifest (corrupt or tampered)")
     try:

@@ -3,7 +3,8 @@
 A calibration directory holds
 - statistics.safetensors: the AttentionStatistics accumulators and probes, and in its metadata the
   number of samples already counted (written atomically after every batch, so a rerun resumes);
-- calibration.json: provenance (model, data and its fingerprint, N, L, seed, tool version, timings) and, for a
+- calibration.json: provenance (model, data and its fingerprint and BOS prefix, N, L, seed, tool version, timings),
+  `rope_inv_freq`: each layer's RoPE frequencies (models.rope_frequencies), and, for a
   hybrid model, `attention_layers`: the global ids of the layers with a KV cache (models.attention_layer_ids);
   the statistics keep every layer, zero for the others (the hooks never see them); for a model with sliding
   layers, `windows`: {layer: W} (layers.windows), whose statistics come from the windowed attention the model
@@ -23,9 +24,10 @@ from safetensors.torch import load_file, save
 from oscar_core import __version__, distributed
 from oscar_core.data import DEFAULT_CALIBRATION, bos_prefix, load_samples
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_bytes, atomic_write_json
+from oscar_core.fileio import atomic_write_bytes, atomic_write_json, remove_stale_temporaries
 from oscar_core.layers import layer_specs, windows
-from oscar_core.models import attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device
+from oscar_core.models import (attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device,
+                               rope_frequencies)
 from oscar_core.provenance import model_source, platform_record
 from oscar_core.statistics import AttentionStatistics, observe_attention
 
@@ -64,6 +66,32 @@ def read_record(calib_dir: str | Path) -> dict:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise OscarError(f"corrupt calibration record: {path}") from None
+
+
+RECORD_KEYS = ("model", "data", "samples", "seq_len", "seed", "tokens")
+
+
+def check_record(record: dict, calib_dir: str | Path) -> None:
+    """What export needs of a calibration record: its keys, attention_layers that are distinct layers of the model,
+    and sliding windows of its layers that are >= 0 tokens; else an OscarError naming the file and the field."""
+    path = Path(calib_dir) / RECORD_FILE
+    missing = [k for k in RECORD_KEYS if k not in record]
+    if missing:
+        raise OscarError(f"calibration record {path} lacks {missing[0]!r}: recalibrate into a new --out")
+    data = record["data"]
+    if not isinstance(data, dict) or not isinstance(data.get("source"), str) or not isinstance(data.get("fingerprint"), str):
+        raise OscarError(f"calibration record {path}: data must hold a source and a fingerprint")
+    layers = record["model"].get("num_layers") if isinstance(record["model"], dict) else None
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        raise OscarError(f"calibration record {path}: model.num_layers is not an integer")
+    kv = record.get("attention_layers")
+    if kv is not None and (not isinstance(kv, list) or len(set(kv)) != len(kv)
+                           or not all(isinstance(i, int) and 0 <= i < layers for i in kv)):
+        raise OscarError(f"calibration record {path}: attention_layers {kv} are not distinct layers 0..{layers - 1}")
+    for layer, window in (record.get("windows") or {}).items():
+        if not str(layer).isdigit() or int(layer) >= layers or not isinstance(window, int) or window < 0:
+            raise OscarError(f"calibration record {path}: windows: layer {layer!r} window {window!r} must be a layer "
+                             f"0..{layers - 1} with a window >= 0 tokens")
 
 
 def read_statistics(calib_dir: str | Path, num_heads: int) -> tuple[AttentionStatistics, int]:
@@ -165,6 +193,9 @@ def _calibrate(req, out_dir, device, group, on_progress, on_loaded, loaded) -> d
         sliding = windows(layer_specs(loaded.model.config))
         if sliding is not None:  # observed through their window, as the model attends (statistics.observe_attention)
             record["windows"] = {str(i): w for i, w in sliding.items()}
+        rope = rope_frequencies(loaded.model)
+        if rope is not None:  # export scores key formats at far positions by turning the probe (rope.turn)
+            record["rope_inv_freq"] = rope
         if group.world > 1 or len(model_devices(loaded.model)) > 1:
             record["processes"] = group.world
             record["devices"] = model_devices(loaded.model)
@@ -224,8 +255,7 @@ def _resume(out_dir: Path, record: dict, info, device: str) -> tuple[AttentionSt
         raise OscarError(f"{out_dir} holds a calibration of other inputs ({changed} differs): "
                          "use another --out or delete it")
     for name in (STATISTICS_FILE, RECORD_FILE):  # temporary files left by a process stopped mid-write
-        for stale in out_dir.glob(f".{name}.*.tmp"):
-            stale.unlink(missing_ok=True)
+        remove_stale_temporaries(out_dir / name)
     if not (out_dir / STATISTICS_FILE).exists():
         return stats, 0
     if previous.get("complete"):

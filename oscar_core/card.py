@@ -1,4 +1,8 @@
-"""Model cards: the README.md a hub shows for a bundle, written from its manifest alone."""
+"""Model cards: the README.md a hub shows for a bundle, written from its manifest alone.
+
+Every manifest string reaches the card through text() or code(), so whatever a model id or data source holds
+(a newline, `---`, `<script>`, `|`) is shown as text on its line and never read as markdown, HTML or YAML.
+"""
 
 import json
 import re
@@ -9,7 +13,23 @@ from oscar_core.bundle import MANIFEST_FILE, Manifest
 LICENSE = {"hf": "apache-2.0", "modelscope": "Apache License 2.0"}
 TAGS = ("kv-cache", "int2", "oscar", "quantization", "rotation")
 DOWNLOAD = {"hf": "hf download {repo} --local-dir {dir}", "modelscope": "modelscope download {repo} --local-dir {dir}"}
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def text(value) -> str:
+    """A manifest value as literal markdown text on one line: control characters become a space; HTML and the
+    characters that make links, code or emphasis are escaped (a table cell's `|` by _table)."""
+    value = CONTROL.sub(" ", str(value)).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return re.sub(r"([\\`*\[\]])", r"\\\1", value)
+
+
+def code(value) -> str:
+    """A manifest value as an inline code span on one line, fenced by more backticks than it holds."""
+    value = CONTROL.sub(" ", str(value))
+    fence = "`" * (max(map(len, re.findall("`+", value)), default=0) + 1)
+    pad = " " if value.startswith("`") or value.endswith("`") else ""
+    return f"{fence}{pad}{value}{pad}{fence}"
 
 
 def _carries_eigenvalues(manifest: Manifest) -> bool:
@@ -26,7 +46,7 @@ def export_directory(manifest: Manifest, group: int) -> str:
 def base_model(manifest: Manifest) -> str | None:
     """The model's hub id, or None when the bundle was built from a directory or a .gguf file."""
     model_id = manifest.model.id
-    return model_id if HUB_ID.match(model_id) and not model_id.endswith(".gguf") else None
+    return model_id if HUB_ID.fullmatch(model_id) and not model_id.endswith(".gguf") else None
 
 
 def front_matter(manifest: Manifest, hub: str) -> str:
@@ -59,14 +79,16 @@ def _key_formats(q) -> list[str]:
              "calibration probe, the relative attention-output error of each candidate key format and kept the "
              "smallest. Keys and values of those layers leave the BF16 window a block at a time.", ""]
     names = sorted({n for e in q.layers for n in e.errors})
-    rows = [(str(e.layer), e.key_format, *(f"{e.errors[n]:.4f}" if n in e.errors else "" for n in names))
+    rows = [(str(e.layer), text(e.key_format), *(f"{e.errors[n]:.4f}" if n in e.errors else "" for n in names))
             for e in q.layers]
-    return lines + _table(rows, ("layer", "kept", *names)) + [""]
+    return lines + _table(rows, ("layer", "kept", *map(text, names))) + [""]
 
 
 def _table(rows: list[tuple[str, ...]], header: tuple[str, ...] = ("", "")) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(row) + " |" for row in rows]
+    def cells(row) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
+
+    return [cells(header), "|" + "---|" * len(header)] + [cells(row) for row in rows]
 
 
 def _number(x: float) -> str:
@@ -95,19 +117,19 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
     if hub not in LICENSE:
         raise ValueError(f"unknown hub {hub!r}")
     m, q, r, c = manifest.model, manifest.quant, manifest.rotation, manifest.calibration
-    lines = [front_matter(manifest, hub), f"# OSCAR rotations for {m.id} ({manifest.version})", "",
-             f"An OSCAR rotation bundle for `{m.id}`: per layer and KV head, the orthogonal rotations and clip",
+    lines = [front_matter(manifest, hub), f"# OSCAR rotations for {text(m.id)} ({text(manifest.version)})", "",
+             f"An OSCAR rotation bundle for {code(m.id)}: per layer and KV head, the orthogonal rotations and clip",
              "ratios that let the model keep its KV cache in 2-bit integers (INT2). It holds no model weights:",
              "load the model from its own repository and apply these rotations to its keys and values.", "",
              "## Model", ""]
-    model_rows = [("model", f"`{m.id}`")]
+    model_rows = [("model", code(m.id))]
     if m.revision:
-        model_rows.append(("revision", f"`{m.revision}`"))
+        model_rows.append(("revision", code(m.revision)))
     if m.file_sha256:
-        model_rows.append(("weights file sha256", f"`{m.file_sha256}`"))
-    model_rows += [("architecture", m.architecture), ("layers", str(m.num_layers)),
+        model_rows.append(("weights file sha256", code(m.file_sha256)))
+    model_rows += [("architecture", text(m.architecture)), ("layers", str(m.num_layers)),
                    ("attention heads / KV heads", f"{m.num_heads} / {m.num_kv_heads}"),
-                   ("head dim", str(m.head_dim)), ("config sha256", f"`{m.config_sha256}`")]
+                   ("head dim", str(m.head_dim)), ("config sha256", code(m.config_sha256))]
     lines += _table(model_rows)
 
     centred = [name for name, on in (("keys", r.key_centering), ("values", r.value_centering)) if on]
@@ -115,22 +137,22 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
               f"INT{q.bits}, per token and asymmetric, in groups of {q.key_group_size} channels for keys and "
               f"{q.value_group_size} for values (scale format `{q.scale_format}`). The first {q.sink_tokens} "
               f"tokens and the most recent {q.recent_tokens} stay in BF16. Keys are stored as k·R_K with "
-              f"R_K = `{r.key}`, values as v·R_V with R_V = `{r.value}`"
+              f"R_K = {code(r.key)}, values as v·R_V with R_V = {code(r.value)}"
               + (f"; {' and '.join(centred)} are centred on their calibration mean first." if centred else ".")
               + f" Clip ratios ({q.clip_scope}): keys {_number(q.key_clip)}, values {_number(q.value_clip)} "
-              f"on average, chosen for {q.clip_objective}.", ""] + _key_formats(q)
+              f"on average, chosen for {text(q.clip_objective)}.", ""] + _key_formats(q)
     bits = sorted(q.bits_per_element.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)
     lines += _table([(f"{int(k):,}" if k.isdigit() else k, f"{v:.3f}") for k, v in bits],
                     ("context (tokens)", "bits per K/V element, all metadata counted"))
 
     lines += ["", "## Calibration", ""]
-    lines += _table([("data", c.data), ("data fingerprint", f"`{c.data_fingerprint}`"),
+    lines += _table([("data", text(c.data)), ("data fingerprint", code(c.data_fingerprint)),
                      ("samples × sequence length", f"{c.samples} × {c.seq_len} ({c.tokens:,} tokens)"),
                      ("seed", str(c.seed))])
 
     lines += ["", "## Fidelity", ""]
     if manifest.fidelity:
-        lines += _table([(key, _number(value)) for key, value in sorted(manifest.fidelity.items())],
+        lines += _table([(text(key), _number(value)) for key, value in sorted(manifest.fidelity.items())],
                         ("measure", "value"))
         lines.append("")
     else:
@@ -145,18 +167,18 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
         first = next(iter(upstream_files))
         files_dir = first.rsplit("/", 1)[0]
         lines += ["", "## Files", ""]
-        lines += _table([(f"`{path}`", f"sha256 `{sha}`") for path, sha in upstream_files.items()], ("file", "sha256"))
+        lines += _table([(code(path), f"sha256 {code(sha)}") for path, sha in upstream_files.items()], ("file", "sha256"))
         if manifest.source and manifest.source.notes:
-            lines += ["", "Not carried by this format: " + "; ".join(manifest.source.notes) + "."]
+            lines += ["", "Not carried by this format: " + "; ".join(map(text, manifest.source.notes)) + "."]
         lines += serve_section(manifest, f"rotations/{files_dir}",
                                [DOWNLOAD[hub].format(repo=repo, dir="rotations"), f"# or: sh rotations/{files_dir}/serve.sh"])
         lines += ["", "Check them with oscar: `oscar upstream import rotations/" + files_dir + " --out imported`, then",
                   "`oscar verify imported/...` (its INT2 attention error on held-out text).", "",
-                  f"Built with {manifest.tool.name} {manifest.tool.version}."]
+                  f"Built with {text(manifest.tool.name)} {text(manifest.tool.version)}."]
         return "\n".join(lines) + "\n"
 
     lines += ["", "## Files", ""]
-    lines += _table([(manifest.tensors.file, f"{manifest.tensors.bytes:,} bytes, sha256 `{manifest.tensors.sha256}`"),
+    lines += _table([(text(manifest.tensors.file), f"{manifest.tensors.bytes:,} bytes, sha256 {code(manifest.tensors.sha256)}"),
                      (MANIFEST_FILE, "model, quantization, rotations, calibration and the checksum above")],
                     ("file", "content"))
 
@@ -179,5 +201,5 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
     lines += ["", "Without `--clips upstream` the export searches one clip per side on the calibration data instead of",
               "the runtime's defaults; it prints what the format drops (key centring, per-head clips), and",
               "`oscar upstream import` + `oscar verify oscar-bundle --compare` measure what that costs.",
-              "", f"Built with {manifest.tool.name} {manifest.tool.version}."]
+              "", f"Built with {text(manifest.tool.name)} {text(manifest.tool.version)}."]
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ them, or the embedded defaults, real English text from Python's own documentatio
   of 32K tokens fits.
 """
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
@@ -175,3 +176,22 @@ def load_samples(source: str | None, tokenizer, n: int, seq_len: int, seed: int,
     if seen < n:
         raise OscarError(f"data source {name} yields only {seen} samples of {seq_len} tokens; {n} asked for")
     return samples, fingerprint
+
+
+@functools.lru_cache(maxsize=None)
+def _heldout_stream(tokenizer) -> tuple:
+    """The held-out text's documents tokenized and joined by the end-of-sequence token (once per tokenizer)."""
+    stream = []
+    for doc in texts(DEFAULT_HELDOUT):
+        stream += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return tuple(stream)
+
+
+def heldout_prompts(tokenizer, context: int, batch: int) -> torch.Tensor:
+    """[batch, context] token ids of real text for long prompts: sequence b starts b/batch of the way into the
+    held-out token stream, which is cycled where it is shorter than context."""
+    stream = _heldout_stream(tokenizer)
+    ids = torch.tensor(stream)
+    reps = -(-(context + len(ids)) // len(ids)) + 1
+    ids = ids.repeat(reps)
+    return torch.stack([ids[b * len(stream) // batch:][:context] for b in range(batch)])

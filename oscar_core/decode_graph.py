@@ -134,3 +134,22 @@ def greedy_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch
         while dec.produced < max_new_tokens:
             dec.replay() if dec.graph is not None else dec.step()
         return dec.tokens
+
+
+def compile_shared_parts(model) -> int:
+    """Replace every RMSNorm and MLP module of `model` with its torch.compile'd form (fixed shapes, one graph each),
+    as transformers' compiled generation or a serving engine runs them; attention, its projections and the caches
+    stay as they are. Returns the number of modules compiled."""
+    import torch._dynamo
+
+    # Every layer's modules share one compiled graph a shape; each (batch, module kind) is a shape of its own.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__.endswith(("RMSNorm", "MLP")):
+                setattr(parent, name, torch.compile(child, dynamic=False, fullgraph=True))
+                done += 1
+    return done

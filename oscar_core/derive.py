@@ -23,6 +23,14 @@ Clip thresholds, per KV head, by grid search on the calibration probe (tokens pa
 
 Key format, per layer (derive_layer): keys per token (groups of G channels, U_Q·H·P_br) or per channel (groups of
 G tokens, no rotation or U_Q), whichever leaves the smaller relative attention-output error on the probe.
+
+Far positions. The probe holds the first 512 positions, but a bundle serves the whole context, and post-RoPE key
+statistics turn with position: a key mean from a k_proj bias in slow RoPE pairs is nearly still over the probe and
+has turned by ~1 rad at 32K, so a format centred on the probe's μ_K can win there and lose by a wide margin at 20K+
+(a per-channel block absorbs a slowly moving offset in its zero points; a per-token group does not). Given the
+layer's RoPE frequencies, the probe's queries and keys are also turned to far offsets (rope.turn, exact: the same
+tokens at positions p + Δ, attention unchanged) and every format is scored, and its key clips searched, at all of
+them: the error of a format is its worst over the probe's positions and the offsets, the clip objective their sum.
 """
 
 from dataclasses import dataclass
@@ -32,6 +40,7 @@ import torch
 from oscar_core.errors import OscarError
 from oscar_core.metrics import causal_attention
 from oscar_core.quant import fake_quantize
+from oscar_core.rope import turn
 from oscar_core.rotations import label, rotation
 
 CLIP_GRID = tuple(round(1.0 - 0.02 * i, 2) for i in range(26))  # 1.00, 0.98, ..., 0.50
@@ -74,6 +83,9 @@ class DeriveOptions:
     # The key formats derive_layer chooses from per layer: (axis, rotation) pairs, the axis one of KEY_AXES, the
     # rotation a rotations.VARIANTS name for "channel" (for "token" key_rotation is used). One pair: no choice.
     key_formats: tuple[tuple[str, str], ...] = (("token", "oscar"), ("channel", "none"), ("channel", "eigen"))
+    # Offsets Δ (positions) the probe is also turned to, scoring key formats and key clips where the bundle is served
+    # (rope.far_offsets of the model's context); empty: the probe's own positions only.
+    far_offsets: tuple[int, ...] = ()
 
 
 def quantize_rotated(x: torch.Tensor, r: torch.Tensor, mean: torch.Tensor | None, clip, group_size: int,
@@ -162,33 +174,47 @@ def search_clip(errors_at, grid) -> torch.Tensor:
     return torch.tensor(grid, dtype=torch.float64)[errors.argmin(0)]
 
 
+def turned_probes(stats, layer: int, inv_freq: torch.Tensor | None, offsets=()) -> dict[int, dict[str, torch.Tensor]]:
+    """{Δ: the layer's probe with queries and keys turned by Δ positions} for Δ = 0 and every offset (0 only
+    without RoPE frequencies): the same tokens as if they stood Δ positions later (rope.turn)."""
+    p = stats.probe(layer)
+    probes = {0: p}
+    if inv_freq is not None:
+        for delta in offsets:
+            probes[delta] = {**p, "query": turn(p["query"], inv_freq, delta), "key": turn(p["key"], inv_freq, delta)}
+    return probes
+
+
 def derive_keys(stats, layer: int, variant: str, centering: bool, group_size: int, sink_tokens: int,
-                grid=CLIP_GRID, objective: str = "logit", axis: str = "token") -> dict[str, torch.Tensor]:
+                grid=CLIP_GRID, objective: str = "logit", axis: str = "token",
+                probes: dict[int, dict] | None = None) -> dict[str, torch.Tensor]:
     """R_K, c_K and (if centering) μ_K of one layer for keys grouped along `axis`; c_K by the key clip objective
-    (see the module doc)."""
+    (see the module doc), summed over `probes` (turned_probes; default: the probe alone; the "logit" objective,
+    whose C_Q is the probe's, on the probe alone)."""
     if objective not in KEY_CLIP_OBJECTIVES:
         raise ValueError(f"unknown key clip objective {objective!r}: one of {', '.join(KEY_CLIP_OBJECTIVES)}")
     c_q = stats.query_covariance(layer)
     r = rotation(variant, c_q, group_size)
     mean = stats.key_mean(layer) if centering else None
-    p = stats.probe(layer)
-    keys = p["key"]
+    probes = probes or {0: stats.probe(layer)}
     if objective == "logit":
+        keys = probes[0]["key"]
         clip = search_clip(lambda c: key_errors(keys, r, mean, c_q, c, group_size, sink_tokens, axis), grid)
     else:
         scaling = float(stats.acc["scaling"][layer])
-        clip = search_clip(lambda c: key_attention_errors(objective, p["query"], keys, p["value"], p["positions"], r,
-                                                          mean, c, group_size, sink_tokens, scaling, axis), grid)
+        clip = search_clip(lambda c: sum(key_attention_errors(objective, p["query"], p["key"], p["value"],
+                                                              p["positions"], r, mean, c, group_size, sink_tokens,
+                                                              scaling, axis) for p in probes.values()), grid)
     return {"key_rotation": r, "key_clip": clip, **({"key_mean": mean} if mean is not None else {})}
 
 
 def key_output_error(stats, layer: int, keys: dict[str, torch.Tensor], group_size: int, sink_tokens: int,
-                     axis: str) -> float:
+                     axis: str, probe: dict[str, torch.Tensor] | None = None) -> float:
     """Σ‖(Ŝ − S)V‖² / Σ‖SV‖² over the probe's queries and every KV head: the attention-output error that a
     layer's quantized keys (values exact) cause, relative to the attention output itself. It sees softmax: a
     small logit error among keys whose logits are close, or a large one on keys that attention reads, counts;
-    a large relative logit error on keys nobody reads does not."""
-    p = stats.probe(layer)
+    a large relative logit error on keys nobody reads does not. probe: a turned probe (default: the layer's)."""
+    p = probe or stats.probe(layer)
     scaling = float(stats.acc["scaling"][layer])
     error = key_attention_errors("output", p["query"], p["key"], p["value"], p["positions"], keys["key_rotation"],
                                  keys.get("key_mean"), keys["key_clip"], group_size, sink_tokens, scaling, axis)
@@ -210,8 +236,12 @@ def derive_values(stats, layer: int, variant: str, centering: bool, group_size: 
 
 
 def key_formats(key_axis: str, key_rotation: str = "oscar") -> tuple[tuple[str, str], ...]:
-    """DeriveOptions.key_formats for a key axis: "auto" (every candidate), "token" or "channel" (that axis only)."""
-    token, channel = (("token", key_rotation),), (("channel", "none"), ("channel", "eigen"))
+    """DeriveOptions.key_formats for a key axis: "auto" (every candidate), "token" or "channel" (that axis only).
+
+    With the default key rotation ("oscar") keys per channel are kept unrotated or in U_Q (derive_layer); any other
+    key rotation holds for every candidate, per channel too (an ablation gets the keys it asked for)."""
+    token = (("token", key_rotation),)
+    channel = (("channel", "none"), ("channel", "eigen")) if key_rotation == "oscar" else (("channel", key_rotation),)
     if key_axis not in ("auto", *KEY_AXES):
         raise OscarError(f"unknown key axis {key_axis!r}: auto, token or channel")
     return {"auto": token + channel, "token": token, "channel": channel}[key_axis]
@@ -222,25 +252,31 @@ def key_format_name(axis: str, variant: str) -> str:
     return f"{axis} {label(variant, 'U_Q')}"
 
 
-def derive_layer(stats, layer: int, opts: DeriveOptions) -> tuple[dict[str, torch.Tensor], dict]:
+def derive_layer(stats, layer: int, opts: DeriveOptions, inv_freq: torch.Tensor | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict]:
     """The bundle tensors of one layer (names without the `layers.{i}.` prefix, float64) and its key format
     ({"layer", "key_axis", "key_format", "errors"}: bundle.LayerQuant's fields).
 
     Keys are derived in every format of opts.key_formats (each with its own rotation and searched clip) and the
-    format whose keys leave the smallest relative attention-output error on the probe (key_output_error) is kept;
-    a tie keeps the first. Per token, the published U_Q·H·P_br spreads every direction over a group's channels;
-    per channel (KIVI-style: one scale per channel and block of G tokens) a rotation must not mix a few
-    outlier channels into all the others, so the candidates there are none and the eigenbasis U_Q alone."""
-    candidates, errors = {}, {}
+    format whose keys leave the smallest relative attention-output error (key_output_error) at its worst over
+    the probe and its turns to opts.far_offsets (given the layer's RoPE inv_freq) is kept; a tie keeps the first.
+    `errors` holds each format's error on the probe under its name and at offset Δ under "<name> @Δ".
+    Per token, the published U_Q·H·P_br spreads every direction over a group's channels; per channel (KIVI-style:
+    one scale per channel and block of G tokens) a rotation must not mix a few outlier channels into all the
+    others, so the candidates there are none and the eigenbasis U_Q alone."""
+    probes = turned_probes(stats, layer, inv_freq, opts.far_offsets)
+    candidates, errors, worst = {}, {}, {}
     for axis, variant in opts.key_formats:
         name = key_format_name(axis, variant if axis == "channel" else opts.key_rotation)
         candidates[name] = axis, derive_keys(stats, layer, variant if axis == "channel" else opts.key_rotation,
                                              opts.key_centering, opts.key_group_size, opts.sink_tokens,
-                                             key_clip_grid(opts), opts.key_clip_objective, axis)
+                                             key_clip_grid(opts), opts.key_clip_objective, axis, probes)
         if len(opts.key_formats) > 1:
-            errors[name] = round(key_output_error(stats, layer, candidates[name][1], opts.key_group_size,
-                                                  opts.sink_tokens, axis), 6)
-    best = min(candidates, key=lambda n: errors.get(n, 0.0))
+            for delta, probe in probes.items():
+                errors[name if delta == 0 else f"{name} @{delta}"] = round(key_output_error(
+                    stats, layer, candidates[name][1], opts.key_group_size, opts.sink_tokens, axis, probe), 6)
+            worst[name] = max(e for n, e in errors.items() if n == name or n.startswith(f"{name} @"))
+    best = min(candidates, key=lambda n: worst.get(n, 0.0))
     axis, keys = candidates[best]
     values = derive_values(stats, layer, opts.value_rotation, opts.value_centering, opts.value_group_size,
                            opts.sink_tokens, opts.clip_grid)

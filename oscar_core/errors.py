@@ -2,4 +2,8 @@
 
 
 class OscarError(Exception):
-    """A failure with a one-line, actionable message (bad path, corrupt bundle, NaN statistics...)."""
+    """A failure with a one-line, actionable message (bad path, corrupt bundle, NaN statistics...); exit 1."""
+
+
+class UsageError(OscarError):
+    """A flag whose value, or combination with others, the command cannot take; exit 2, as for a bad option."""

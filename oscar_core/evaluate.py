@@ -21,7 +21,7 @@ import torch
 from oscar_core import methods
 from oscar_core.cache import OscarCache, exact_cache, fill, oscar_attention
 from oscar_core.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
-from oscar_core.errors import OscarError
+from oscar_core.errors import OscarError, UsageError
 from oscar_core.models import cache_argument
 from oscar_core.simulate import simulate_int2
 
@@ -46,22 +46,24 @@ class EvalRequest:
 
 
 def check_lengths(contexts: list[int], method_names: list[str], bundle, max_context: int | None = None) -> None:
-    """One-line OscarErrors for unknown methods and for contexts under 64 tokens or beyond the model's limit."""
+    """One-line UsageErrors for no or unknown methods and for contexts under 64 tokens or beyond the model's limit."""
+    if not method_names:
+        raise UsageError(f"--methods names no method: give some of {', '.join(methods.METHODS)}")
     for m in method_names:
         methods.check_method(m)
     limit = max_context or bundle.manifest.model.max_position_embeddings
     for c in contexts:
         if c < 64:
-            raise OscarError(f"--context {c} is too short: use at least 64 tokens")
+            raise UsageError(f"--context {c} is too short: use at least 64 tokens")
         if limit and c > limit:
-            raise OscarError(f"--context {c} is beyond the model's limit of {limit} tokens")
+            raise UsageError(f"--context {c} is beyond the model's limit of {limit} tokens")
 
 
 def check_request(req: EvalRequest, bundle, max_context: int | None = None) -> None:
-    """One-line OscarErrors for bad contexts, methods or depths (before any model is loaded)."""
+    """One-line UsageErrors for bad contexts, methods or depths (before any model is loaded)."""
     check_lengths(req.contexts, req.methods, bundle, max_context)
     if req.samples < 1 or req.needle_trials < 0 or any(not 0 <= d <= 1 for d in req.depths):
-        raise OscarError("--samples must be positive, --needle-trials non-negative and depths in [0, 1]")
+        raise UsageError("--samples must be positive, --needle-trials non-negative and depths in [0, 1]")
 
 
 def check_bundle(bundle, info, config=None) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from oscar_core import methods
 from oscar_core.data import DEFAULT_HELDOUT
-from oscar_core.errors import OscarError
+from oscar_core.errors import UsageError
 from oscar_core.evaluate import check_bundle, check_lengths, greedy_answers
 from oscar_core.ruler import TASKS, DoesNotFit, haystack, sample, string_match_all
 
@@ -38,18 +38,18 @@ def default_samples(device: str) -> int:
 
 
 def check_request(req: RulerRequest, bundle, max_context: int | None = None) -> None:
-    """One-line OscarErrors for bad contexts, methods, tasks or sample counts (before any model is loaded)."""
+    """One-line UsageErrors for bad contexts, methods, tasks or sample counts (before any model is loaded)."""
     check_lengths(req.contexts, req.methods, bundle, max_context)
     unknown = [t for t in req.tasks if t not in TASKS]
     if unknown or not req.tasks:
-        raise OscarError(f"unknown task {', '.join(unknown) or '(none given)'}: use some of {', '.join(TASKS)}")
+        raise UsageError(f"unknown task {', '.join(unknown) or '(none given)'}: use some of {', '.join(TASKS)}")
     if req.samples < 1:
-        raise OscarError("--samples must be positive")
+        raise UsageError("--samples must be positive")
 
 
 def fitting_tasks(req: RulerRequest, tokenizer, hay) -> tuple[dict[int, list[str]], dict[int, dict[str, str]]]:
-    """({L: tasks whose prompt 0 fits L}, {L: {task: why it does not}}); an OscarError where none fits a length or
-    the haystack source is too short."""
+    """({L: tasks whose prompt 0 fits L}, {L: {task: why it does not}}); a UsageError where none fits a length, an
+    OscarError where the haystack source is too short."""
     fits, skipped = {}, {}
     for c in req.contexts:
         fits[c], skipped[c] = [], {}
@@ -60,7 +60,7 @@ def fitting_tasks(req: RulerRequest, tokenizer, hay) -> tuple[dict[int, list[str
             except DoesNotFit as e:
                 skipped[c][task] = str(e)
         if not fits[c]:
-            raise OscarError(f"--context {c}: no task of the suite fits: {'; '.join(skipped[c].values())}")
+            raise UsageError(f"--context {c}: no task of the suite fits: {'; '.join(skipped[c].values())}")
     return fits, skipped
 
 

@@ -3,21 +3,26 @@
 import multiprocessing
 import os
 import re
+import signal
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
 
-from oscar_core.bundle import (CONTEXTS_REPORTED, CalibrationInfo, LayerQuant, Manifest, ModelInfo, QuantInfo,
-                               RotationInfo, TensorFileInfo, manifest_json, write_bundle)
-from oscar_core.calibration import read_layer_statistics, read_record, read_statistics
+from oscar_core.bundle import (CONTEXTS_REPORTED, NAME, VERSION, CalibrationInfo, LayerQuant, Manifest, ModelInfo,
+                               QuantInfo, RotationInfo, TensorFileInfo, group_size_problem, manifest_json,
+                               schema_errors, write_bundle)
+from oscar_core.calibration import check_record, read_layer_statistics, read_record, read_statistics
 from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
-from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_bytes
+from oscar_core.errors import OscarError, UsageError
+from oscar_core.fileio import atomic_write_bytes, check_name, path_under
 from oscar_core.layers import holds_int2, int2_layer_ids, int2_reason, specs_from, window_recent
 from oscar_core.provenance import platform_record
 from oscar_core.quant import layer_bits_per_element
+from oscar_core.rope import far_offsets
 from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error
 
 ORTHOGONALITY_TOLERANCE = 1e-5
@@ -30,6 +35,17 @@ def bundle_name(model: ModelInfo) -> str:
         return model.id
     stem = re.sub(r"\.gguf$", "", parts[-1])
     return f"local/{stem}"
+
+
+def check_bundle_name(name: str, version: str) -> str:
+    """<name>/<version>, the bundle's path under a zoo root, when both are plain: ORG/MODEL and a version of letters,
+    digits, '.', '_' or '-' (no part '.' or '..'); else OscarError (a name from the model id: pass --name)."""
+    if not re.fullmatch(VERSION, version):
+        raise OscarError(f"invalid bundle version {version!r}: use letters, digits, '.', '_' or '-'")
+    if not re.fullmatch(NAME, name):
+        raise OscarError(f"invalid bundle name {name!r}: use ORG/MODEL (letters, digits, '.', '_' or '-'; "
+                         "pass --name)")
+    return f"{check_name(name, 'bundle name')}/{version}"
 
 
 def average_bits(context: int, quant: dict, layers=((1, None, True),)) -> float:
@@ -45,39 +61,72 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _single_thread() -> None:
+def _deriver(parent: int) -> None:
+    """Set up a spawned deriver: one thread (the bytes do not depend on the process count), and death with the
+    export that started it, even a SIGKILLed one (Linux: the kernel's parent-death signal; elsewhere a thread
+    that watches the parent)."""
     torch.set_num_threads(1)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the signal was set
+        os._exit(1)
 
 
-def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOptions) -> tuple[int, tuple]:
-    tensors, info = derive_layer(read_layer_statistics(calib_dir, layer, num_heads), 0, opts)
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """`workers` spawned processes that derive layers, each on one thread, and die with this process."""
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_deriver,
+                               initargs=(os.getpid(),))
+
+
+def _derive_from_file(calib_dir: str, layer: int, num_heads: int, opts: DeriveOptions,
+                      inv_freq: torch.Tensor | None) -> tuple[int, tuple]:
+    tensors, info = derive_layer(read_layer_statistics(calib_dir, layer, num_heads), 0, opts, inv_freq)
     return layer, (tensors, {**info, "layer": layer})
 
 
+def layer_frequencies(record: dict) -> dict[int, torch.Tensor]:
+    """{layer: its RoPE inv_freq} from a calibration record (empty for calibrations that did not record them)."""
+    return {i: torch.tensor(f, dtype=torch.float64) for i, f in enumerate(record.get("rope_inv_freq") or []) if f}
+
+
 def derive_layers(stats, calib_dir, num_heads: int, opts: DeriveOptions, workers: int,
-                  on_layer: Callable[[int, int], None] | None = None, layers: list[int] | None = None):
-    """(layer, (its bundle tensors, its key format)) for every layer of `layers` (None: every layer), in layer order.
+                  on_layer: Callable[[int, int], None] | None = None, layers: list[int] | None = None,
+                  frequencies: dict[int, torch.Tensor] | None = None):
+    """(layer, (its bundle tensors, its key format)) for every layer of `layers` (None: every layer), in layer order;
+    frequencies: each layer's RoPE inv_freq, for scoring key formats at opts.far_offsets.
 
     Every derivation runs on one thread (LAPACK's eigh differs in the last bits with the thread count), so
     the bytes do not depend on `workers`: with workers > 1, that many spawned processes each derive whole
     layers, reading only their layer from the statistics file.
     """
     layers = list(range(stats.num_layers)) if layers is None else layers
+    frequencies = frequencies or {}
     total = len(layers)
     if workers <= 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             for done, layer in enumerate(layers, 1):
-                yield layer, derive_layer(stats, layer, opts)
+                yield layer, derive_layer(stats, layer, opts, frequencies.get(layer))
                 if on_layer:
                     on_layer(done, total)
         finally:
             torch.set_num_threads(threads)
         return
     results = {}
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_single_thread) as pool:
-        futures = [pool.submit(_derive_from_file, str(calib_dir), layer, num_heads, opts) for layer in layers]
+    with worker_pool(workers) as pool:
+        futures = [pool.submit(_derive_from_file, str(calib_dir), layer, num_heads, opts, frequencies.get(layer))
+                   for layer in layers]
         for future in as_completed(futures):
             layer, derived = future.result()
             results[layer] = derived
@@ -112,18 +161,23 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
         key_clip_grid(opts)
     except ValueError as e:
         raise OscarError(str(e)) from None
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", version):
-        raise OscarError(f"invalid --version {version!r}: use letters, digits, '.', '_' or '-'")
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if name is not None:
+        check_bundle_name(name, version)
     record = read_record(calib_dir)
     if not record.get("complete"):
         raise OscarError(f"calibration in {calib_dir} is incomplete ({record.get('samples_done', 0)} of "
                          f"{record.get('samples')} samples): rerun oscar calibrate with the same --out to finish it")
-    model = ModelInfo.model_validate(record["model"])
+    check_record(record, calib_dir)
+    with schema_errors(f"calibration record {Path(calib_dir) / 'calibration.json'}: model"):
+        model = ModelInfo.model_validate(record["model"])
     opts = DeriveOptions(**{**opts.__dict__, "key_group_size": min(opts.key_group_size, model.head_dim),
                             "value_group_size": min(opts.value_group_size, model.head_dim)})
     for size in (opts.key_group_size, opts.value_group_size):
-        if size < 4 or model.head_dim % size or size & (size - 1):
-            raise OscarError(f"group size {size} must be a power of two that divides head_dim {model.head_dim}")
+        if group_size_problem(size, model.head_dim):
+            raise UsageError(group_size_problem(size, model.head_dim))
+    out = path_under(zoo_root, check_bundle_name(name or bundle_name(model), version), "bundle name")
     stats, done = read_statistics(calib_dir, model.num_heads)
     if done != record["samples"]:
         raise OscarError(f"calibration in {calib_dir} is incomplete: statistics count {done} of {record['samples']} samples")
@@ -140,13 +194,15 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     layers = list(range(model.num_layers)) if held is None else held
     if not layers:
         raise OscarError(f"no layer of {model.id} holds INT2 tokens: {int2_reason(specs, sink_tokens, recent_tokens)}")
-    opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens})
+    frequencies = layer_frequencies(record)
+    probe_tokens = stats.probe(layers[0])["key"].shape[-2]
+    opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens,
+                            "far_offsets": far_offsets(model.max_position_embeddings, probe_tokens) if frequencies
+                            else ()})
     tensors: dict[str, torch.Tensor] = {}
     formats: list[LayerQuant] = []
-    if workers < 1:
-        raise OscarError("--workers must be at least 1")
     for layer, (derived, info) in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, len(layers)),
-                                                on_layer, layers):
+                                                on_layer, layers, frequencies):
         for key, value in derived.items():
             tensors[f"layers.{layer}.{key}"] = value.float()
         formats.append(LayerQuant(**info))
@@ -173,28 +229,27 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     axis = {f.layer: f.key_axis for f in formats}
     kv_layers = [(opts.key_group_size if axis.get(i) == "channel" else 1, spec.window,
                   holds_int2(spec, sink_tokens, recent_tokens)) for i, spec in enumerate(specs) if spec.kv_cache]
-    manifest = Manifest(
-        name=name or bundle_name(model), version=version, model=model,
-        quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
-                        clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor, opts.clip_grid),
-                        bits_per_element={str(c): average_bits(c, quant, kv_layers) for c in CONTEXTS_REPORTED},
-                        layers=formats if len(opts.key_formats) > 1 else None),
-        rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
-                              key_centering=opts.key_centering, value_centering=opts.value_centering,
-                              layers=held, windows=record.get("windows"),
-                              layers_reason=int2_reason(specs, sink_tokens, recent_tokens)),
-        calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
-                                    samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
-                                    tokens=record["tokens"], model_source=record.get("model_source"),
-                                    platform=platform_record(record.get("device", "cpu")),
-                                    bos_prefix=record["data"].get("bos_prefix")),
-        tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
-    )
-    if not re.fullmatch(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+", manifest.name):
-        raise OscarError(f"invalid bundle name {manifest.name!r}: use ORG/MODEL")
-    zoo_root = Path(zoo_root)
-    out = zoo_root / manifest.name / version
+    with schema_errors(f"calibration {calib_dir} gives an invalid manifest"):
+        manifest = Manifest(
+            name=name or bundle_name(model), version=version, model=model,
+            quant=QuantInfo(**quant, key_clip=mean_clip("key"), value_clip=mean_clip("value"),
+                            clip_objective=clip_objective_label(opts.key_clip_objective, opts.key_clip_floor,
+                                                                opts.clip_grid),
+                            bits_per_element={str(c): average_bits(c, quant, kv_layers) for c in CONTEXTS_REPORTED},
+                            layers=formats if len(opts.key_formats) > 1 else None),
+            rotation=RotationInfo(key=label(opts.key_rotation, "U_Q"), value=label(opts.value_rotation, "U_S"),
+                                  key_centering=opts.key_centering, value_centering=opts.value_centering,
+                                  layers=held, windows=record.get("windows"),
+                                  layers_reason=int2_reason(specs, sink_tokens, recent_tokens)),
+            calibration=CalibrationInfo(data=record["data"]["source"], data_fingerprint=record["data"]["fingerprint"],
+                                        samples=record["samples"], seq_len=record["seq_len"], seed=record["seed"],
+                                        tokens=record["tokens"], model_source=record.get("model_source"),
+                                        platform=platform_record(record.get("device", "cpu")),
+                                        bos_prefix=record["data"].get("bos_prefix")),
+            tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
+        )
     manifest = write_bundle(out, manifest, tensors)
+    zoo_root = Path(zoo_root)
     if is_repo_zoo(zoo_root.resolve()):
         atomic_write_bytes(zoo_root.resolve().parent / "manifests" / manifest.name / f"{version}.json",
                            manifest_json(manifest).encode())

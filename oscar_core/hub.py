@@ -12,11 +12,11 @@ import os
 import re
 from dataclasses import dataclass
 
-from oscar_core.bundle import MANIFEST_FILE, Manifest, load_bundle
+from oscar_core.bundle import MANIFEST_FILE, Manifest
 from oscar_core.card import model_card
 from oscar_core.errors import OscarError
-from oscar_core.fileio import sha256_bytes
-from oscar_core.verify import recorded_figures
+from oscar_core.fileio import check_name, sha256_bytes
+from oscar_core.verify import load_checked, recorded_figures
 from oscar_core.hub_clients import HfClient, ModelScopeClient, Remote, RemoteFile
 
 HUBS = ("hf", "modelscope")
@@ -80,7 +80,8 @@ LAYOUTS = ("oscar", "upstream")
 
 def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, private: bool = False,
               layout: str = "oscar") -> Plan:
-    """Verify the bundle (manifest, checksum, tensor shapes) and list the files and card a push sends.
+    """Verify the bundle (verify.load_checked: manifest, checksum, tensor shapes, orthogonal, finite) and list the
+    files and card a push sends.
 
     layout "upstream": `bundle` is a directory written by `oscar upstream export`; its files are checked as an
     import would check them and published under <Model>/seq<T>_prompt<N>_group<G>/, with a card that serves them."""
@@ -92,7 +93,7 @@ def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, pri
         raise OscarError(f"unknown layout {layout!r}: oscar or upstream")
     if layout == "upstream":
         return plan_upstream_push(bundle, hub, repo, revision, private)
-    loaded = load_bundle(bundle)
+    loaded = load_checked(bundle)
     manifest = loaded.manifest
     # Upload the bytes that were verified: reread, and refuse if the bundle changed meanwhile.
     tensor_data = (loaded.path / manifest.tensors.file).read_bytes()
@@ -111,7 +112,7 @@ def plan_upstream_push(directory: str, hub: str, repo: str, revision: str | None
     from pathlib import Path
 
     from oscar_core import upstream
-    from oscar_core.bundle import ModelInfo, bundle_dir
+    from oscar_core.bundle import ModelInfo, bundle_dir, schema_errors
 
     path = Path(directory)
     if (path / MANIFEST_FILE).is_file() or (path.is_file() and path.name in (MANIFEST_FILE, "rotations.safetensors")):
@@ -121,14 +122,15 @@ def plan_upstream_push(directory: str, hub: str, repo: str, revision: str | None
     if record is None:
         raise OscarError(f"{directory} holds no {upstream.RECORD_FILE}: publish a directory written by "
                          "`oscar upstream export`")
-    model = ModelInfo.model_validate(record["model"])
+    with schema_errors(f"{path / upstream.RECORD_FILE}: model"):
+        model = ModelInfo.model_validate(record.get("model"))
     layers = record.get("layers")
     manifest, _, files = upstream.upstream_bundle(path, model, None if layers == list(range(model.num_layers)) else layers,
                                                   name=record["source"]["bundle"])
     if record.get("files") != manifest.source.files:
         raise OscarError(f"the rotation files in {directory} changed after `oscar upstream export` wrote them: "
                          "export again")
-    prefix = f"{upstream.model_directory(model.id)}/{path.name}"
+    prefix = check_name(f"{upstream.model_directory(model.id)}/{path.name}", "upload folder")
     names = (*upstream.FILES.values(), upstream.SERVE_FILE, upstream.RECORD_FILE)
     uploads = [UploadFile(f"{prefix}/{name}", (path / name).read_bytes()) for name in names]
     card = model_card(manifest, hub, repo, upstream_files={f.path: f.sha256 for f in uploads})

@@ -49,3 +49,11 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """exp of the mean next-token cross-entropy; logits [..., T, vocab] predict targets [..., T]."""
     nll = torch.nn.functional.cross_entropy(logits.double().flatten(0, -2), targets.flatten(), reduction="mean")
     return nll.exp()
+
+
+def same_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> float:
+    """Mean over sequences of the generated tokens [B, T] equal to reference's before their first difference."""
+    n = min(tokens.shape[1], reference.shape[1])
+    diff = (tokens[:, :n] != reference[:, :n]).int()
+    first = torch.where(diff.any(1), diff.argmax(1), torch.full((diff.shape[0],), n))
+    return first.float().mean().item()

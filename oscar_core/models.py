@@ -224,6 +224,31 @@ def plan_device_map(model: torch.nn.Module, max_memory: dict, dtype: torch.dtype
     return plan
 
 
+def rope_frequencies(model) -> list[list[float] | None] | None:
+    """Per layer, the RoPE inverse frequencies θ_i its queries and keys are turned by (rope.turn), as the model's
+    rotary embedding holds them (scaled RoPE types included); None for a layer without RoPE (`no_rope_layers`),
+    None for the whole model when it has no rotary embedding transformers' way (an `inv_freq` buffer, or one
+    per layer type: `<type>_inv_freq`, Gemma 3's local and global bases)."""
+    from oscar_core.layers import text_config
+
+    text = text_config(model.config)
+    n = text.num_hidden_layers
+    types = getattr(text, "layer_types", None) or [None] * n
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is None:
+        return None
+
+    def of(kind):
+        freq = getattr(rotary, f"{kind}_inv_freq", None) if kind else None
+        freq = freq if freq is not None else getattr(rotary, "inv_freq", None)
+        return None if freq is None else [float(f) for f in freq.double().cpu()]
+
+    if of(types[0]) is None:
+        return None
+    no_rope = getattr(text, "no_rope_layers", None)  # 1: the layer uses RoPE (SmolLM3's convention)
+    return [of(types[i]) if no_rope is None or no_rope[i] else None for i in range(n)]
+
+
 def model_devices(model: torch.nn.Module) -> list[str]:
     """The devices holding a model's parameters, in order of first use."""
     return list(dict.fromkeys(str(p.device) for p in model.parameters()))

@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from oscar_core import __version__
-from oscar_core.bundle import (CONTEXTS_REPORTED, Bundle, CalibrationInfo, Manifest, ModelInfo, QuantInfo,
-                               RotationInfo, SourceInfo, TensorFileInfo, bundle_layers, load_bundle, write_bundle)
-from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_dir, canonical_json, sha256_bytes
+from oscar_core.bundle import (CONTEXTS_REPORTED, MAX_TOKENS, Bundle, CalibrationInfo, Manifest, ModelInfo, QuantInfo,
+                               RotationInfo, SourceInfo, TensorFileInfo, bundle_layers, group_size_problem,
+                               schema_errors, write_bundle)
+from oscar_core.errors import OscarError, UsageError
+from oscar_core.fileio import atomic_write_dir, canonical_json, path_under, sha256_bytes
 from oscar_core.rotations import eigenvalues, label, orthogonality_error, rotation
 
 FORMAT_VERSION = 1
@@ -74,8 +75,8 @@ def model_directory(model_id: str) -> str:
 def served_group_size(group_size: int, head_dim: int) -> int:
     """The group actually used: capped at head_dim (a group never spans two heads); a power of two dividing it."""
     g = min(group_size, head_dim)
-    if g < 4 or g & (g - 1) or head_dim % g:
-        raise OscarError(f"group size {group_size} must be a power of two of at least 4 that divides head_dim "
+    if group_size_problem(g, head_dim):
+        raise UsageError(f"group size {group_size} must be a power of two of at least 4 that divides head_dim "
                          f"{head_dim} (or exceeds it: it is then capped at {head_dim})")
     return g
 
@@ -221,14 +222,21 @@ def import_upstream(directory: str | Path, zoo_root: str | Path, model: ModelInf
     """An upstream directory -> a bundle <zoo_root>/<name>/<version>/ that verify and eval read as any other."""
     manifest, tensors, files = upstream_bundle(directory, model, layers, key_clip, value_clip, group_size, name, version,
                                                specs)
-    out = Path(zoo_root) / manifest.name / manifest.version
+    out = path_under(zoo_root, f"{manifest.name}/{manifest.version}", "bundle name")
     return out, write_bundle(out, manifest, tensors), files
 
 
 def served_windows(record: dict | None) -> tuple[int, int]:
-    """(sink, recent) BF16 tokens: as an oscar export recorded them, else the runtime's defaults."""
-    env = record["serve"]["env"] if record is not None else {}
-    return (int(env.get("SGLANG_MIXED_KV_PREFIX_TOKENS", 64)), int(env.get("SGLANG_MIXED_KV_RECENT_TOKENS", 256)))
+    """(sink, recent) BF16 tokens: as an oscar export recorded them, else the runtime's defaults; a recorded value
+    that is no count of tokens (0..MAX_TOKENS) is an error naming the record."""
+    try:
+        env = record["serve"]["env"] if record is not None else {}
+        sink, recent = (int(env.get(f"SGLANG_MIXED_KV_{k}_TOKENS", d)) for k, d in (("PREFIX", 64), ("RECENT", 256)))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise OscarError(f"{RECORD_FILE}: serve.env does not hold the BF16 windows as integers") from None
+    if not (0 <= sink <= MAX_TOKENS and 0 <= recent <= MAX_TOKENS):
+        raise OscarError(f"{RECORD_FILE}: BF16 windows sink {sink}, recent {recent} must be 0..{MAX_TOKENS} tokens")
+    return sink, recent
 
 
 def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] | None = None,
@@ -242,7 +250,7 @@ def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] |
     Keys and values are not centred; one clip ratio per side for every layer and head: the given ones, else those
     an oscar export recorded beside the files (oscar_upstream.json, when its checksums match), else the upstream
     defaults 0.96 / 0.92. The group size: given, else from the directory name; capped at head_dim."""
-    from oscar_core.export import average_bits, bundle_name
+    from oscar_core.export import average_bits, bundle_name, check_bundle_name
 
     from oscar_core.layers import int2_layer_ids, int2_reason, windows
 
@@ -273,8 +281,7 @@ def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] |
             raise OscarError(f"{side} clip {c} must be in (0, 1]")
     tokens, prompts = (parsed[0], parsed[1]) if parsed else (0, 0)
     version = version or f"upstream-{directory.name}"
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", version):
-        raise OscarError(f"invalid --version {version!r}: use letters, digits, '.', '_' or '-'")
+    check_bundle_name(name or bundle_name(model), version)
 
     tensors = {}
     for side, f in files.items():
@@ -297,28 +304,27 @@ def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] |
     if g != group_size:
         notes.append(f"group size {group_size} capped at head_dim {model.head_dim}")
     layer_ids = sorted(files["key"].rotations)
-    manifest = Manifest(
-        name=name or bundle_name(model), version=version, model=model,
-        quant=QuantInfo(**quant, key_clip=clips["key"], value_clip=clips["value"], clip_scope="global",
-                        clip_objective=how, bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED}),
-        rotation=RotationInfo(key=f"{COMPOSITIONS['key']} ({files['key'].objective}, per {files['key'].grouping})",
-                              value=f"{COMPOSITIONS['value']} ({files['value'].objective}, per {files['value'].grouping})",
-                              key_centering=False, value_centering=False,
-                              layers=None if layer_ids == list(range(model.num_layers)) else layer_ids,
-                              windows=None if sliding is None else {str(i): w for i, w in sliding.items()},
-                              layers_reason=None if specs is None else int2_reason(specs, sink, recent)),
-        calibration=CalibrationInfo(data=f"upstream rotations {directory.parent.name}/{directory.name}",
-                                    data_fingerprint=sha256_bytes("".join(f.sha256 for f in files.values()).encode()),
-                                    samples=prompts, seq_len=tokens // prompts if prompts else 0, seed=None,
-                                    tokens=tokens),
-        tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
-        source=SourceInfo(format=FORMAT_NAME, format_version=FORMAT_VERSION, path=str(directory),
-                          directory=directory.name, files={FILES[s]: f.sha256 for s, f in files.items()},
-                          objectives={s: f.objective for s, f in files.items()}, grouping=files["key"].grouping,
-                          clips=how, notes=notes),
-    )
-    if not re.fullmatch(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+", manifest.name):
-        raise OscarError(f"invalid bundle name {manifest.name!r}: use ORG/MODEL")
+    with schema_errors(f"the files in {directory} give an invalid manifest"):
+        manifest = Manifest(
+            name=name or bundle_name(model), version=version, model=model,
+            quant=QuantInfo(**quant, key_clip=clips["key"], value_clip=clips["value"], clip_scope="global",
+                            clip_objective=how, bits_per_element={str(c): average_bits(c, quant) for c in CONTEXTS_REPORTED}),
+            rotation=RotationInfo(key=f"{COMPOSITIONS['key']} ({files['key'].objective}, per {files['key'].grouping})",
+                                  value=f"{COMPOSITIONS['value']} ({files['value'].objective}, per {files['value'].grouping})",
+                                  key_centering=False, value_centering=False,
+                                  layers=None if layer_ids == list(range(model.num_layers)) else layer_ids,
+                                  windows=None if sliding is None else {str(i): w for i, w in sliding.items()},
+                                  layers_reason=None if specs is None else int2_reason(specs, sink, recent)),
+            calibration=CalibrationInfo(data=f"upstream rotations {directory.parent.name}/{directory.name}",
+                                        data_fingerprint=sha256_bytes("".join(f.sha256 for f in files.values()).encode()),
+                                        samples=prompts, seq_len=tokens // prompts if prompts else 0, seed=None,
+                                        tokens=tokens),
+            tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
+            source=SourceInfo(format=FORMAT_NAME, format_version=FORMAT_VERSION, path=str(directory),
+                              directory=directory.name, files={FILES[s]: f.sha256 for s, f in files.items()},
+                              objectives={s: f.objective for s, f in files.items()}, grouping=files["key"].grouping,
+                              clips=how, notes=notes),
+        )
     return manifest, tensors, files
 
 
@@ -415,7 +421,9 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
     else from the calibration statistics."""
     from oscar_core.derive import CLIP_GRID, KEY_CLIP_FLOOR, search_global_clip, uncentred_clip_errors
 
-    bundle = load_bundle(bundle_path)
+    from oscar_core.verify import load_checked
+
+    bundle = load_checked(bundle_path)
     m = bundle.manifest
     _check_composition(m)
     if clips not in ("searched", "upstream"):
@@ -481,7 +489,8 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
     clip_how = "; ".join(f"{s}: {how[s]}" for s in FILES)
 
     files = {FILES[s]: rotation_file_bytes(s, rotations[s], eigen[s]) for s in FILES}
-    directory = Path(out_root) / model_directory(m.model.id) / directory_name(m.calibration.tokens, m.calibration.samples, g)
+    directory = path_under(out_root, f"{model_directory(m.model.id)}/"
+                           f"{directory_name(m.calibration.tokens, m.calibration.samples, g)}", "model directory")
     sink, recent = m.quant.sink_tokens, m.quant.recent_tokens
     notes = []
     if m.rotation.key_centering:

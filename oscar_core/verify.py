@@ -16,12 +16,20 @@ logits flattens its attention; the attention error sees that.
 
 End to end (simulate.py: every query reads what the INT2 cache would hold when it is decoded, recent window
 in BF16): next-token KL against BF16, top-1 agreement and perplexity of each method, and BF16 perplexity, at
-a long context (default 4,096 tokens on CUDA, 2,048 on the CPU; the model's context limit caps the default).
+the length a bundle is served (default 32,768 tokens on CUDA, the model's context where shorter; 2,048 on the CPU, where long contexts are slow: pass --seq-len), with the NLL
+excess over BF16 per position bucket (BUCKETS equal spans of the sample: an error that grows with position shows
+in the last buckets), and needle retrieval through each method's cache at the same length (evaluate.needle_*).
 
-The gate: FAIL when OSCAR's next-token KL is above KIVI-style's (by more than KL_TIE = 0.001 nats), or its
-perplexity is above KIVI-style's (by more than PPL_TIE = 0.1%), or its KL is above max_kl (--max-kl; default
-the manifest's max_kl, else DEFAULT_MAX_KL nats); and, only when given, when its mean key logit error is above
---max-logit-error.
+The gate: FAIL when
+- the length quantizes too little to judge (too_short);
+- OSCAR's next-token KL is above KIVI-style's (by more than KL_TIE = 0.001 nats), or its perplexity is above
+  KIVI-style's (by more than PPL_TIE = 0.1%), or its KL is above max_kl (--max-kl; default the manifest's max_kl,
+  else DEFAULT_MAX_KL nats);
+- its NLL excess in any position bucket is above KIVI-style's in that bucket by more than BUCKET_TIE nats a token
+  plus BUCKET_SIGMAS standard errors of the per-token difference (a 128-token bucket of a short sample is noise;
+  a 4K bucket of a 32K sample is not);
+- it retrieves fewer needles than KIVI-style at that length;
+- only when given, its mean key logit error is above --max-logit-error.
 On CUDA the INT2 write path of OSCAR's per-token sides is the Triton kernel and the decode kernel is checked
 against exact attention at the last position; on the CPU the torch reference runs.
 """
@@ -44,7 +52,12 @@ from oscar_core.rotations import orthogonality_error
 ORTHOGONALITY_TOLERANCE = 1e-5
 VERIFY_FILE = "verify.json"  # `oscar verify --record` writes the headline figures beside the bundle
 COMPARED = ("oscar", "kivi", "hadamard", "int2")  # per layer and end to end, at the same bits
-DEFAULT_SEQ_LEN = {"cuda": 4096, "cpu": 2048}        # held-out tokens per sample, by device type
+DEFAULT_SEQ_LEN = {"cuda": 32768, "cpu": 2048}       # held-out tokens per sample, by device type
+BUCKETS = 8                                            # position buckets of the NLL excess
+BUCKET_TIE = 1e-3                                      # nats a token: a bucket's excess this close to KIVI's ties,
+BUCKET_SIGMAS = 2.0                                    # ... or within this many standard errors of the difference
+DEFAULT_NEEDLES = {"cuda": 10, "cpu": 0}               # needle prompts at the verify length, by device type
+NEEDLE_METHODS = ("bf16", "oscar", "kivi")
 DEFAULT_MAX_KL = 0.1                                  # nats, when the manifest sets no max_kl
 LAYER_QUERIES = 512                                   # query positions per layer measurement
 LOGIT_CHUNK = 512                                     # positions whose logits are made at once
@@ -104,6 +117,33 @@ def check_layers(manifest: Manifest, config) -> Check:
 def first_failure(checks: list[Check]) -> str | None:
     bad = next((c for c in checks if not c.ok), None)
     return None if bad is None else f"{bad.name}: {bad.detail}"
+
+
+def load_checked(path) -> Bundle:
+    """The bundle at `path` if it passes verify's integrity checks (load_bundle: schema, checksum, tensor names and
+    shapes; check_tensors: orthogonal, clips in (0, 1], finite), else OscarError naming the first that fails: what
+    push and upstream export hold a bundle to before anything leaves the machine."""
+    from oscar_core.bundle import load_bundle
+
+    bundle = load_bundle(path)
+    failure = first_failure(check_tensors(bundle))
+    if failure:
+        raise OscarError(f"bundle check failed for {bundle.path}: {failure}")
+    return bundle
+
+
+def too_short(seq_len: int, manifest: Manifest) -> str | None:
+    """Why seq_len held-out tokens cannot judge the bundle's INT2 cache, or None. The first sink and the last recent
+    tokens stay BF16, so a sample quantizes seq_len − sink − recent tokens: none is too little, and so is less than
+    one group of tokens where some layer keeps keys per channel (a key block must leave the BF16 window whole)."""
+    q = manifest.quant
+    channel = any(e.key_axis == "channel" for e in q.layers or ())
+    quantized, need = seq_len - q.sink_tokens - q.recent_tokens, q.key_group_size if channel else 1
+    if quantized >= need:
+        return None
+    what = "nothing is quantized" if quantized <= 0 else f"only {quantized} tokens are quantized"
+    return (f"{what} at {seq_len} tokens (the first {q.sink_tokens} and the last {q.recent_tokens} stay BF16), too "
+            f"little to judge the INT2 cache: use --seq-len {q.sink_tokens + q.recent_tokens + need} or more")
 
 
 def restored(side: methods.Side | None, x: torch.Tensor, sink: int, write=None) -> torch.Tensor:
@@ -207,22 +247,49 @@ def end_to_end(model, ids: torch.Tensor, runs: dict[str, tuple[str, Bundle]]) ->
     reference = hidden("bf16", next(iter(runs.values()))[1])
     states = {name: hidden(method, bundle) for name, (method, bundle) in runs.items()}
     targets, t = ids[0, 1:], ids.shape[1]
-    sums = {name: {"kl": 0.0, "top1": 0.0, "nll": 0.0} for name in ("bf16", *runs)}
+    sums = {name: {"kl": 0.0, "top1": 0.0} for name in runs}
+    nll = {name: [] for name in ("bf16", *runs)}  # per target, for the position buckets
+
+    def token_nll(log_p, tgt):
+        return -log_p[: len(tgt)].gather(-1, tgt[:, None])[:, 0].cpu()
+
     for a in range(0, t, LOGIT_CHUNK):
         b = min(a + LOGIT_CHUNK, t)
         tgt = targets[a:b]
         ref = torch.log_softmax(_logits(model, reference[a:b]).double(), -1)
-        sums["bf16"]["nll"] += float(-ref[: len(tgt)].gather(-1, tgt[:, None]).sum())
+        nll["bf16"].append(token_nll(ref, tgt))
         for name, h in states.items():
             out = torch.log_softmax(_logits(model, h[a:b]).double(), -1)
             sums[name]["kl"] += float((ref.exp() * (ref - out)).sum())
             sums[name]["top1"] += float((out.argmax(-1) == ref.argmax(-1)).sum())
-            sums[name]["nll"] += float(-out[: len(tgt)].gather(-1, tgt[:, None]).sum())
-    figures = {"bf16": {"ppl": math.exp(sums["bf16"]["nll"] / len(targets))}}
+            nll[name].append(token_nll(out, tgt))
+    nll = {name: torch.cat(x) for name, x in nll.items()}
+    figures = {"bf16": {"ppl": math.exp(float(nll["bf16"].mean()))}}
     for name in runs:
         figures[name] = {"kl": sums[name]["kl"] / t, "top1_agreement": sums[name]["top1"] / t,
-                         "ppl": math.exp(sums[name]["nll"] / len(targets))}
+                         "ppl": math.exp(float(nll[name].mean())), "token_excess": nll[name] - nll["bf16"]}
     return figures
+
+
+def bucket_figures(excess: dict[str, torch.Tensor], against: str = "kivi") -> dict:
+    """Per position bucket (BUCKETS equal spans of the targets): each run's mean NLL excess over BF16 (nats a
+    token), and the standard error of the mean of OSCAR's per-token excess minus `against`'s (the gate's noise)."""
+    n = len(next(iter(excess.values())))
+    bucket_of = torch.arange(n) * BUCKETS // n
+    count = torch.bincount(bucket_of, minlength=BUCKETS).double()
+    mean = lambda x: (torch.zeros(BUCKETS, dtype=torch.float64).index_add_(0, bucket_of, x) / count)  # noqa: E731
+    out = {"bounds": bucket_bounds(n + 1), "excess": {run: mean(x).tolist() for run, x in excess.items()}}
+    if "oscar" in excess and against in excess:
+        diff = excess["oscar"] - excess[against]
+        var = (mean(diff.pow(2)) - mean(diff).pow(2)).clamp_min(0) * count / (count - 1).clamp_min(1)
+        out["standard_error"] = (var / count).sqrt().tolist()
+    return out
+
+
+def bucket_bounds(t: int) -> list[list[int]]:
+    """[first, last] target position (the token predicted) of each of end_to_end's BUCKETS buckets for T tokens."""
+    bucket_of = (torch.arange(t - 1) * BUCKETS // (t - 1)).tolist()
+    return [[1 + bucket_of.index(i), 1 + len(bucket_of) - 1 - bucket_of[::-1].index(i)] for i in range(BUCKETS)]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -259,12 +326,13 @@ def verify(loaded, bundle: Bundle, ids: torch.Tensor, use_kernels: bool, compare
         compare = on(compare)
         runs["compare"] = ("oscar", compare)
     figures = end_to_end(model, ids, runs)
+    buckets = bucket_figures({run: f.pop("token_excess") for run, f in figures.items() if "token_excess" in f})
     e2e = {}
     for run, f in figures.items():
         if run != "compare":
             e2e.update({(k if run == "oscar" else f"{run}_{k}"): v for k, v in f.items()})
     report = {"path": "triton" if use_kernels else "torch reference", "layers": rows, "mean": summarize(rows),
-              "end_to_end": e2e}
+              "end_to_end": e2e, "buckets": buckets}
     if use_kernels:
         report["decode_kernel_error"] = decode_kernel_errors(held, bundle)
     if compare is not None:
@@ -288,6 +356,14 @@ def merge_reports(reports: list[dict]) -> dict:
     merged = {"path": first["path"], "layers": layers,
               "mean": {k: _average(k, [r["mean"][k] for r in reports]) for k in first["mean"]},
               "end_to_end": {k: _average(k, [r["end_to_end"][k] for r in reports]) for k in first["end_to_end"]}}
+    if "buckets" in first:  # samples of one length: means of the means, the standard errors combined
+        n = len(reports)
+        merged["buckets"] = {"bounds": first["buckets"]["bounds"], "excess": {
+            run: [sum(xs) / n for xs in zip(*(r["buckets"]["excess"][run] for r in reports))]
+            for run in first["buckets"]["excess"]}}
+        if "standard_error" in first["buckets"]:
+            merged["buckets"]["standard_error"] = [math.sqrt(sum(x * x for x in xs)) / n for xs in
+                                                   zip(*(r["buckets"]["standard_error"] for r in reports))]
     if "decode_kernel_error" in first:
         merged["decode_kernel_error"] = [sum(v) / len(v) for v in zip(*(r["decode_kernel_error"] for r in reports))]
     if "compare" in first:
@@ -301,6 +377,18 @@ def gate(report: dict, max_kl: float, max_logit_error: float | None = None) -> l
     within KL_TIE nats and PPL_TIE relative perplexity are ties (a context too short for KIVI-style to quantize
     a key block gives two caches that differ only in rounding)."""
     e2e, reasons = report["end_to_end"], []
+    buckets = report.get("buckets", {})
+    excess = buckets.get("excess", {})
+    if "oscar" in excess and "kivi" in excess:
+        for (first, last), ours, kivi, se in zip(buckets["bounds"], excess["oscar"], excess["kivi"],
+                                                 buckets["standard_error"]):
+            if ours > kivi + BUCKET_TIE + BUCKET_SIGMAS * se:
+                reasons.append(f"OSCAR loses to KIVI-style at positions {first}-{last}: NLL excess over BF16 "
+                               f"{ours:+.4f} > {kivi:+.4f} nats a token")
+    needle = report.get("needle")
+    if needle and needle["correct"]["oscar"] < needle["correct"]["kivi"]:
+        reasons.append(f"OSCAR retrieves fewer needles than KIVI-style at {report['seq_len']} tokens: "
+                       f"{needle['correct']['oscar']} < {needle['correct']['kivi']} of {needle['prompts']}")
     if e2e["kl"] > max_kl:
         reasons.append(f"OSCAR's next-token KL {e2e['kl']:.4f} nats is above the bound {max_kl}")
     if e2e["kl"] > e2e["kivi_kl"] + KL_TIE:
@@ -393,10 +481,40 @@ class VerifyRequest:
     checks_only: bool = False
     max_kl: float | None = None         # default: the manifest's max_kl, else DEFAULT_MAX_KL
     max_logit_error: float | None = None  # an extra gate, only when given
+    needles: int | None = None          # needle prompts at seq_len; default: DEFAULT_NEEDLES of the device
 
 
-def default_seq_len(device: str) -> int:
-    return DEFAULT_SEQ_LEN["cuda" if device.startswith("cuda") else "cpu"]
+def _kind(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def default_seq_len(device: str, limit: int | None = None) -> int:
+    """DEFAULT_SEQ_LEN of the device, capped by the model's context `limit`."""
+    length = DEFAULT_SEQ_LEN[_kind(device)]
+    return min(length, limit) if limit else length
+
+
+@torch.inference_mode()
+def needle_check(loaded, bundle: Bundle, data: str, seq_len: int, prompts: int, seed: int,
+                 methods_=NEEDLE_METHODS) -> dict:
+    """Needle retrieval at seq_len through each method's cache (evaluate.needle_prompt / needle_answers): `prompts`
+    pass keys at depths spread evenly over 0.1..0.9 of held-out filler. {"prompts", "correct": {method: count}}."""
+    import random
+
+    from oscar_core.evaluate import answer_matches, heldout_tokens, needle_answers, needle_prompt
+
+    rng = random.Random(seed)
+    filler = heldout_tokens(data, loaded.tokenizer, seq_len)
+    correct = dict.fromkeys(methods_, 0)
+    depths = [0.5] if prompts == 1 else [0.1 + 0.8 * i / (prompts - 1) for i in range(prompts)]
+    for depth in depths:
+        key = str(rng.randrange(10000, 100000))
+        prompt = needle_prompt(loaded.tokenizer, filler, seq_len, depth, key)
+        answers = needle_answers(loaded.model, loaded.tokenizer, prompt, list(methods_), bundle,
+                                 loaded.info.num_layers)
+        for m, (text, *_) in answers.items():
+            correct[m] += answer_matches(text, key)
+    return {"prompts": len(depths), "depths": [round(d, 3) for d in depths], "correct": correct}
 
 
 def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None) -> dict:
@@ -436,10 +554,13 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
     limit, notes = loaded.info.max_position_embeddings, []
     seq_len = req.seq_len
     if seq_len is None:
-        seq_len = default_seq_len(device)
-        if limit and seq_len > limit:
-            notes.append(f"the default of {seq_len} tokens is above the model's context of {limit}: {limit} used")
-            seq_len = limit
+        seq_len = default_seq_len(device, limit)
+        if seq_len < DEFAULT_SEQ_LEN[_kind(device)]:
+            notes.append(f"the default of {DEFAULT_SEQ_LEN[_kind(device)]} tokens is above the model's context of "
+                         f"{limit}: {limit} used")
+        if _kind(device) == "cpu":
+            notes.append(f"on the CPU verify measures {seq_len} tokens; a bundle is served at 16K-32K: verify there "
+                         "on CUDA (the default) or with --seq-len")
     elif limit and seq_len > limit:
         raise OscarError(f"--seq-len {seq_len} is above the model's limit of {limit}")
     step(f"drawing {req.samples} × {seq_len} held-out tokens")
@@ -449,7 +570,11 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
         step(f"measuring sample {i + 1} of {ids.shape[0]} ({seq_len} tokens): per layer, then end to end")
         reports.append(verify(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda"), compare=other))
     report = {**merge_reports(reports), **report}
-    max_kl = req.max_kl or m.max_kl or DEFAULT_MAX_KL
+    needles = DEFAULT_NEEDLES[_kind(device)] if req.needles is None else req.needles
+    if needles > 0 and too_short(seq_len, m) is None:
+        step(f"needle retrieval at {seq_len} tokens: {needles} prompts")
+        report["needle"] = needle_check(loaded, b, req.data, seq_len, needles, req.seed)
+    max_kl = next(x for x in (req.max_kl, m.max_kl, DEFAULT_MAX_KL) if x is not None)
     if other is not None:
         report["compare"].update(bundle=str(other.path), name=other.manifest.name, version=other.manifest.version)
     worst = layer_ranking(report["layers"])[0]
@@ -457,7 +582,7 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
                   device=device, model=loaded.info.id, sink_tokens=m.quant.sink_tokens,
                   recent_tokens=m.quant.recent_tokens, max_kl=max_kl, max_logit_error=req.max_logit_error,
                   worst_layer=worst, notes=notes, checks=[c.__dict__ for c in checks])
-    reasons = gate(report, max_kl, req.max_logit_error)
+    reasons = [r for r in (too_short(seq_len, m),) if r] + gate(report, max_kl, req.max_logit_error)
     report.update(passed=not reasons, reasons=reasons, reason="; ".join(reasons) or None)
     return report
 
@@ -466,4 +591,5 @@ def record(report: dict) -> dict:
     """What `oscar verify --record` writes to VERIFY_FILE beside the bundle: the run's settings and headline figures."""
     summary = {k: report[k] for k in ("name", "version", "data", "data_fingerprint", "samples", "seq_len", "seed",
                                       "device", "path", "passed")}
-    return {**summary, "figures": headline(report)}
+    extra = {k: report[k] for k in ("buckets", "needle") if k in report}
+    return {**summary, "figures": headline(report), **extra}

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest, bundle_layers
+from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest, bundle_layers, plain_name, schema_errors
 from oscar_core.equivalence import COVARIANCE_OF, Deviation, figure_deviations, json_differences, tensor_deviations
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_bytes
+from oscar_core.fileio import atomic_write_bytes, path_under
 
 RECIPES_DIR = "recipes"
 BUNDLE_FILES = (TENSOR_FILE, MANIFEST_FILE)
@@ -68,6 +68,11 @@ class Recipe(BaseModel):
     dtype: str | None = None
     gpus: int = Field(1, gt=0, description="data-parallel calibration processes, one per GPU (torchrun)")
 
+    @field_validator("name", "version")
+    @classmethod
+    def _plain(cls, value: str, info) -> str:
+        return plain_name(value, f"recipe {info.field_name}")
+
     def calibration_fields(self) -> dict:
         return self.model_dump(exclude={"name", "version", "gpus"})
 
@@ -83,11 +88,11 @@ class Outcome:
 
 
 def bundle_path(zoo_root: Path, recipe: Recipe) -> Path:
-    return Path(zoo_root) / recipe.name / recipe.version
+    return path_under(zoo_root, f"{recipe.name}/{recipe.version}", "recipe name")
 
 
 def manifest_copy_path(manifests_root: Path, name: str, version: str) -> Path:
-    return Path(manifests_root) / name / f"{version}.json"
+    return path_under(manifests_root, f"{name}/{version}.json", "bundle name")
 
 
 def load_recipes(zoo_root: str | Path, required: bool = False) -> list[Recipe]:
@@ -100,12 +105,10 @@ def load_recipes(zoo_root: str | Path, required: bool = False) -> list[Recipe]:
     recipes = []
     for path in sorted((Path(zoo_root) / RECIPES_DIR).glob("*.toml")):
         try:
-            recipes.append(Recipe.model_validate(tomllib.loads(path.read_text())))
+            with schema_errors(f"recipe {path}"):
+                recipes.append(Recipe.model_validate(tomllib.loads(path.read_text())))
         except tomllib.TOMLDecodeError as e:
             raise OscarError(f"recipe {path}: not TOML ({e})") from None
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise OscarError(f"recipe {path}: {'.'.join(map(str, first['loc'])) or 'recipe'}: {first['msg']}") from None
     names = [(r.name, r.version) for r in recipes]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from oscar_core.data import bos_prefix, load_samples, sample_windows, texts, token_windows
+from oscar_core.data import (DEFAULT_HELDOUT, bos_prefix, heldout_prompts, load_samples, sample_windows, texts,
+                              token_windows)
 from oscar_core.errors import OscarError
 
 
@@ -107,3 +108,18 @@ def test_bad_sources(tmp_path):
     (tmp_path / "nothing").mkdir()
     with pytest.raises(OscarError, match="no text files"):
         list(texts(str(tmp_path / "nothing")))
+
+
+def test_heldout_prompts_are_windows_of_the_heldout_stream_from_spread_offsets(default_model):
+    tok = default_model.tokenizer
+    ids = heldout_prompts(tok, 200, 3)
+    assert ids.shape == (3, 200)
+    assert len({tuple(row.tolist()) for row in ids}) == 3
+    stream = []
+    for doc in texts(DEFAULT_HELDOUT):
+        stream += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ids[0].tolist() == stream[:200]
+    start = len(stream) // 3
+    assert ids[1].tolist() == (stream + stream)[start:start + 200]
+    long = heldout_prompts(tok, len(stream) + 50, 1)       # longer than the text: the stream cycles
+    assert long[0, len(stream):].tolist() == stream[:50]

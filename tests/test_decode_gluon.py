@@ -2,7 +2,7 @@
 no GPU. Compiling checks what the kernel's design rests on: every conversion from the loaded bytes to
 the mma operands is register-only (convert_layout(..., assert_trivial=True) fails the compile
 otherwise), and the loop fits the registers without spilling. Their numbers are checked on the GPU by
-bench/decode_check.py and bench/kernel.py.
+bench/shapes.py and bench/kernel.py.
 
 Each compile runs in a process of its own without TRITON_INTERPRET: in this suite's process the
 interpreter has already run kernels, and triton's interpreter leaves triton.language.core patched after

@@ -85,7 +85,7 @@ def test_bundle_for_another_model(tmp_path):
 def test_cli_errors_are_one_line(tmp_path):
     run = [sys.executable, "-c", "from oscar_cli.app import main; main()", "eval", str(BUNDLE)]
     out = subprocess.run(run + ["--context", "16384"], capture_output=True, text=True)
-    assert out.returncode == 1 and "beyond the model's limit" in out.stderr
+    assert out.returncode == 2 and "beyond the model's limit" in out.stderr  # a usage error
     assert len(out.stderr.strip().splitlines()) == 1
 
 

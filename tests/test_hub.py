@@ -178,6 +178,26 @@ def test_dry_run_prints_files_hashes_and_card_and_sends_nothing(hub, server, cli
     assert server.requests() == [] and server.state()["repos"] == {}
 
 
+@pytest.mark.parametrize("flaw", ["nan clip", "not orthogonal", "tensor file outside"])
+def test_a_bundle_verify_rejects_is_not_published(hub, server, client_env, bundle, tmp_path, capfd, monkeypatch, flaw):
+    """Push runs verify's integrity checks before anything leaves: a NaN clip or a non-orthogonal rotation (re-signed,
+    the checksum right), or a tensor file linked from outside the bundle, is refused and the hub sees no request."""
+    from oscar_core.bundle import load_bundle, write_bundle
+
+    b = load_bundle(bundle)
+    if flaw == "tensor file outside":
+        (bundle / TENSOR_FILE).rename(tmp_path / "elsewhere.safetensors")
+        (bundle / TENSOR_FILE).symlink_to(tmp_path / "elsewhere.safetensors")
+    else:
+        name, value = (("layers.0.key_clip", b.tensors["layers.0.key_clip"] * float("nan")) if flaw == "nan clip" else
+                       ("layers.1.value_rotation", b.tensors["layers.1.value_rotation"] * 8))
+        write_bundle(bundle, b.manifest, {**b.tensors, name: value})
+    code, out = oscar(capfd, monkeypatch, *push_args(bundle, hub))
+    assert code == 1 and out.strip().startswith("error: ") and len(out.strip().splitlines()) == 1, out
+    assert ("outside the bundle" if flaw == "tensor file outside" else "bundle check failed") in out
+    assert server.requests() == [] and server.state()["repos"] == {}
+
+
 def test_missing_token_is_one_line_and_sends_nothing(hub, server, client_env, bundle, capfd, monkeypatch):
     monkeypatch.delenv(client_env)
     code, out = oscar(capfd, monkeypatch, *push_args(bundle, hub))

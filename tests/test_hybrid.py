@@ -90,7 +90,7 @@ def test_upstream_round_trip_compares_with_ours(hybrid_model, hybrid_bundle, cap
     code, out = run_cli(capfd, monkeypatch, "verify", str(bundle), "--compare", str(imported), "--model",
                         str(hybrid_model), "--device", "cpu", "--data", str(hybrid_model / "corpus.txt"),
                         "--seq-len", "128", "--json", str(tmp_path / "report.json"))
-    assert code == 0, out
+    assert code == 1 and "nothing is quantized at 128 tokens" in out, out   # the report is written all the same
     assert "compared: layers match the model's attention layers: layers 1, 3" in out
     theirs = json.loads((tmp_path / "report.json").read_text())["compare"]
     assert sorted({row["layer"] for row in theirs["layers"]}) == ATTENTION_LAYERS
@@ -101,7 +101,9 @@ def test_verify_refuses_a_bundle_of_other_layers(hybrid_model, hybrid_bundle, ca
     from oscar_core.bundle import load_bundle, write_bundle
 
     b = load_bundle(hybrid_bundle[1])
-    m = b.manifest.model_copy(update={"rotation": b.manifest.rotation.model_copy(update={"layers": [1]})})
+    quant = b.manifest.quant.model_copy(update={"layers": [e for e in b.manifest.quant.layers or () if e.layer == 1]})
+    m = b.manifest.model_copy(update={"rotation": b.manifest.rotation.model_copy(update={"layers": [1]}),
+                                      "quant": quant})
     write_bundle(tmp_path / "b", m, {k: v for k, v in b.tensors.items() if k.startswith("layers.1.")})
     code, out = run_cli(capfd, monkeypatch, "verify", str(tmp_path / "b"), "--model", str(hybrid_model),
                         "--device", "cpu", "--seq-len", "64", "--data", str(hybrid_model / "corpus.txt"))

@@ -167,17 +167,18 @@ def test_bad_requests():
 def test_cli_bad_input_is_one_line(capfd, monkeypatch, tmp_path):
     for args, message in ((["--context", "16384"], "beyond the model's limit of 8192"),
                           (["--suite", "rulers"], "unknown suite rulers"),
-                          (["--tasks", "niah_single,words"], "unknown task words")):
+                          (["--tasks", "niah_single,words"], "unknown task words"),
+                          (["--samples", "0"], "0 is not a finite number at least 1")):
         code, out = run_cli(capfd, monkeypatch, "eval", str(BUNDLE), "--suite", "ruler", *args,
                             "--json", str(tmp_path / "r.json"))
-        assert code == 1 and message in out and len(out.strip().splitlines()) == 1, out
+        assert code == 2 and message in out and len(out.strip().splitlines()) == 1, out  # usage errors
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
 def test_ruler_suite_end_to_end(default_model, capfd, monkeypatch, tmp_path):
     """512 tokens, one prompt a task, BF16 and OSCAR with the SmolLM2 zoo bundle, through the CLI: the table, the
-    JSON report and the PNG; then a context that no task fits: one line, exit 1, nothing written."""
+    JSON report and the PNG; then a context that no task fits: one line, exit 2 (a usage error), nothing written."""
     monkeypatch.setattr("oscar_cli.commands.eval.load_model", lambda spec, device: default_model)
     report_path, plot_path = tmp_path / "ruler.json", tmp_path / "ruler.png"
     code, out = run_cli(capfd, monkeypatch, "eval", str(BUNDLE), "--suite", "ruler", "--context", "512",
@@ -199,7 +200,7 @@ def test_ruler_suite_end_to_end(default_model, capfd, monkeypatch, tmp_path):
 
     code, out = run_cli(capfd, monkeypatch, "eval", str(BUNDLE), "--suite", "ruler", "--context", "64",
                         "--methods", "bf16", "--device", "cpu", "--json", str(tmp_path / "none.json"))
-    assert code == 1 and "--context 64: no task of the suite fits" in out and len(out.strip().splitlines()) == 1
+    assert code == 2 and "--context 64: no task of the suite fits" in out and len(out.strip().splitlines()) == 1
     assert not (tmp_path / "none.json").exists()
 
 

@@ -169,7 +169,7 @@ def test_upstream_round_trip_keeps_the_windows(gemma_dir, gemma_bundle, capfd, m
         {k: ours[k] for k in ("layers", "windows", "layers_reason")}
     code, out = run_cli(capfd, monkeypatch, "verify", str(bundle), "--compare", str(imported), "--model",
                         str(gemma_dir), "--device", "cpu", "--data", str(gemma_dir / "corpus.txt"), "--seq-len", "64")
-    assert code == 0, out
+    assert code == 1 and "nothing is quantized at 64 tokens" in out, out   # the comparison is printed all the same
 
 
 def test_bf16_needle_decoding_equals_generate(gemma_dir, gemma_bundle):

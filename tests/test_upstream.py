@@ -245,15 +245,15 @@ def test_cli_refusals_are_one_line(exported, tmp_path, capfd, monkeypatch):
     write_files(d, {i: (orthogonal(D, D), orthogonal(D, D)) for i in range(2)})
     out = tmp_path / "cli-out"
 
-    def refused(pattern, *args):
+    def refused(pattern, *args, exit_code=1):
         code, text = run_cli(capfd, monkeypatch, "upstream", *map(str, args))
         lines = [line for line in text.splitlines() if line.strip()]
-        assert code == 1 and "Traceback" not in text and len(lines) == 1 and pattern in lines[0], text
+        assert code == exit_code and "Traceback" not in text and len(lines) == 1 and pattern in lines[0], text
 
     refused("pass --model", "import", d, "--out", out)
     refused("not found", "import", tmp_path / "nope", "--out", out)
     refused("pass --calibration DIR", "export", bundle, "--out", out)
-    refused("power of two", "export", bundle, "--out", out, "--calibration", calib, "--group-size", "12")
+    refused("power of two", "export", bundle, "--out", out, "--calibration", calib, "--group-size", "12", exit_code=2)
     code, text = run_cli(capfd, monkeypatch, "upstream", "export", str(bundle), "--out", str(out), "--calibration",
                          str(calib), "--clips", "upstream")
     assert code == 0, text

@@ -1,5 +1,6 @@
 """A small valid bundle for tests: 2 layers, 2 KV heads, head_dim 8, random orthogonal rotations."""
 
+import re
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
 
 def tiny_manifest(model_id: str = "oscar-test/tiny-llama", fidelity: dict[str, float] | None = None) -> Manifest:
     return Manifest(
-        name=f"oscar-test/{model_id.rsplit('/', 1)[-1]}",
+        name="oscar-test/" + re.sub(r"[^A-Za-z0-9._-]+", "-", model_id.rsplit("/", 1)[-1]).strip(".-"),
         version="v1",
         model=ModelInfo(id=model_id, revision="a" * 40, file_sha256="b" * 64, config_sha256="c" * 64,
                         architecture="LlamaForCausalLM", num_layers=LAYERS, num_heads=4, num_kv_heads=KV_HEADS,

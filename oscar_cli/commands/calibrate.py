@@ -5,6 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from oscar_cli.options import POSITIVE, SEQUENCE, in_range
 from oscar_cli.ui import console, progress
 from oscar_core import distributed
 from oscar_core.calibration import CalibrationRequest, calibrate as run_calibration
@@ -34,15 +35,15 @@ def calibrate(
     data: Annotated[Optional[str], typer.Option(help="Hub dataset id, or a .txt/.jsonl/.parquet file or folder; default: Python's own documentation.")] = None,
     split: Annotated[str, typer.Option(help="Dataset split (hub datasets).")] = "train",
     text_field: Annotated[str, typer.Option(help="Text field of .jsonl/.parquet rows and hub datasets.")] = "text",
-    samples: Annotated[int, typer.Option(help="Number of token samples N.")] = 64,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sample L.")] = 2048,
-    batch_size: Annotated[int, typer.Option(help="Samples per forward pass.")] = 1,
+    samples: Annotated[int, typer.Option(help="Number of token samples N.", callback=POSITIVE)] = 64,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sample L.", callback=SEQUENCE)] = 2048,
+    batch_size: Annotated[int, typer.Option(help="Samples per forward pass.", callback=POSITIVE)] = 1,
     seed: Annotated[int, typer.Option(help="Seed for drawing the samples.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda; default: cuda when available.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default: float32 on CPU, bfloat16 on CUDA.")] = None,
-    gpus: Annotated[int, typer.Option(help="Data-parallel processes, one per GPU, started with torchrun (with --device cpu: CPU processes).")] = 1,
+    gpus: Annotated[int, typer.Option(callback=POSITIVE, help="Data-parallel processes, one per GPU, started with torchrun (with --device cpu: CPU processes).")] = 1,
     shard: Annotated[bool, typer.Option(help="Spread the model over the GPUs (accelerate device map) for models larger than one GPU; with --gpus N each process takes 1/N of them.")] = False,
-    checkpoint_every: Annotated[float, typer.Option(help="Seconds between rewrites of the statistics (0: after every batch); the last batch is always written.")] = 0.0,
+    checkpoint_every: Annotated[float, typer.Option(callback=in_range(0), help="Seconds between rewrites of the statistics (0: after every batch); the last batch is always written.")] = 0.0,
 ) -> None:
     """Stream calibration text through MODEL and gather per-layer, per-KV-head attention statistics."""
     req = CalibrationRequest(model=model, data=data, split=split, text_field=text_field, samples=samples,

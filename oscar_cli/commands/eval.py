@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from oscar_cli.options import POSITIVE, in_range, png_file
 from oscar_cli.ui import console, err_console
 from oscar_core import methods
 from oscar_core.bundle import load_bundle
 from oscar_core.data import DEFAULT_HELDOUT
-from oscar_core.errors import OscarError
+from oscar_core.errors import OscarError, UsageError
 from oscar_core.evaluate import DEPTHS, EvalRequest, check_request, evaluate
 from oscar_core.evaluate_ruler import RulerRequest, default_samples, evaluate_ruler
 from oscar_core.evaluate_ruler import check_request as check_ruler_request
@@ -39,16 +40,16 @@ def eval_command(
     model: Annotated[Optional[str], typer.Option(help="Hub id, directory, .gguf or packaged:<name>; default: the one the bundle's manifest names.")] = None,
     suite: Annotated[str, typer.Option(help="standard: perplexity and needle; ruler: the RULER-style tasks.")] = "standard",
     data: Annotated[str, typer.Option(help="Held-out text source (default: IDLE's docs, shipped with oscar).")] = DEFAULT_HELDOUT,
-    context: Annotated[Optional[list[int]], typer.Option(help="Context length; repeat for several.")] = None,
+    context: Annotated[Optional[list[int]], typer.Option(callback=in_range(64), help="Context length; repeat for several.")] = None,
     methods_: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of {','.join(methods.METHODS)}.")] = ",".join(methods.METHODS),
-    samples: Annotated[Optional[int], typer.Option(help="Perplexity windows per context (default 2); --suite ruler: prompts per task and context (50 on CUDA, 4 on CPU).")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="Perplexity windows per context (default 2); --suite ruler: prompts per task and context (50 on CUDA, 4 on CPU).", callback=POSITIVE)] = None,
     tasks: Annotated[str, typer.Option(help="With --suite ruler: the tasks, comma-separated.")] = ",".join(TASKS),
-    needle_trials: Annotated[int, typer.Option(help="Needle prompts per context and depth (0: none).")] = 1,
+    needle_trials: Annotated[int, typer.Option(help="Needle prompts per context and depth (0: none).", callback=in_range(0))] = 1,
     depths: Annotated[str, typer.Option(help="Needle depths, comma-separated fractions.")] = ",".join(map(str, DEPTHS)),
     seed: Annotated[int, typer.Option(help="Seed of the pass keys, filler offsets and RULER-style prompts.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cpu, cuda or auto.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot here (a .png file).", callback=png_file)] = None,
 ) -> None:
     """Perplexity at each context and needle accuracy by depth, or (--suite ruler) RULER-style scores per task, for
     BF16 and the INT2 methods at the same bits."""
@@ -63,7 +64,7 @@ def eval_command(
                           depths=depth_list(depths), needle_trials=needle_trials, seed=seed)
         check, run, render, draw = check_request, evaluate, lambda r: [table(r)], plot_report
     else:
-        raise OscarError(f"unknown suite {suite}: use standard or ruler")
+        raise UsageError(f"unknown suite {suite}: use standard or ruler")
     b = load_bundle(bundle)
     check(req, b)
     m = b.manifest

@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from oscar_cli import options
 from oscar_cli.ui import console, progress
 from oscar_core.derive import DeriveOptions, key_formats
 from oscar_core.export import default_workers, export_bundle
@@ -26,18 +27,18 @@ Examples:
 def export(
     calib_dir: Annotated[Path, typer.Argument(help="Directory written by oscar calibrate.")],
     out: Annotated[Path, typer.Option("--out", help="Zoo root; the bundle goes to <out>/<org>/<model>/<version>/.")] = ...,
-    version: Annotated[str, typer.Option(help="Bundle version.")] = "v1",
-    name: Annotated[Optional[str], typer.Option(help="ORG/MODEL; default: from the model id.")] = None,
+    version: Annotated[str, typer.Option(help="Bundle version.", callback=options.bundle_version)] = "v1",
+    name: Annotated[Optional[str], typer.Option(help="ORG/MODEL; default: from the model id.", callback=options.bundle_name)] = None,
     key_rotation: Annotated[str, typer.Option(help="none, hadamard, eigen, eigen-hadamard, oscar (U_Q·H·P_br), eigen-perm-blockhadamard.")] = "oscar",
     value_rotation: Annotated[str, typer.Option(help="Same choices, with U = eigenbasis of C_S.")] = "oscar",
     key_centering: Annotated[bool, typer.Option(help="Subtract the calibrated key mean (attention-invariant).")] = True,
     value_centering: Annotated[bool, typer.Option(help="Subtract the value mean (added back to the output).")] = False,
-    group_size: Annotated[int, typer.Option(help="INT2 group size for keys and values (capped at head_dim).")] = 64,
+    group_size: Annotated[int, typer.Option(callback=options.POSITIVE, help="INT2 group size for keys and values (capped at head_dim).")] = 64,
     key_clip_objective: Annotated[str, typer.Option(help="Key clip search objective: logit (Σ e C_Q eᵀ), output, kl or weighted-logit (attention-aware, on the probe).")] = DeriveOptions.key_clip_objective,
-    key_clip_floor: Annotated[float, typer.Option(help="Smallest key clip ratio the search may pick.")] = DeriveOptions.key_clip_floor,
+    key_clip_floor: Annotated[float, typer.Option(callback=options.FRACTION, help="Smallest key clip ratio the search may pick.")] = DeriveOptions.key_clip_floor,
     key_axis: Annotated[str, typer.Option(help="auto: per layer, keys per token (in the key rotation) or per channel (unrotated or in U_Q), whichever the probe's attention-output error prefers; token or channel: that axis in every layer.")] = "auto",
     eigenvalues: Annotated[bool, typer.Option(help="Also store the eigenvalues of C_Q and C_S (what `oscar upstream export` needs without the calibration directory).")] = False,
-    workers: Annotated[Optional[int], typer.Option(help="Processes deriving layers at once (each single-threaded: the bytes do not depend on it); default: one per CPU core.")] = None,
+    workers: Annotated[Optional[int], typer.Option(callback=options.POSITIVE, help="Processes deriving layers at once (each single-threaded: the bytes do not depend on it); default: one per CPU core.")] = None,
 ) -> None:
     """Compute R_K = U_Q·H·P_br, R_V = U_S·H·P_br and calibrated clip thresholds; write a rotation bundle."""
     opts = DeriveOptions(key_rotation=key_rotation, value_rotation=value_rotation, key_centering=key_centering,

@@ -6,8 +6,10 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from oscar_cli import options
 from oscar_cli.ui import console
 from oscar_core import upstream as core
+from oscar_core.bundle import schema_errors
 from oscar_core.errors import OscarError
 
 HELP = "Bundles to and from the method authors' format: <Model>/seq<T>_prompt<N>_group<G>/{k,v}_rotation_*.pt (SGLang)."
@@ -31,10 +33,10 @@ def export(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory (U_Q·H·P_br / U_S·H·P_br rotations).")],
     out: Annotated[Path, typer.Option("--out", help="Root; the files go to <out>/<Model>/seq<T>_prompt<N>_group<G>/.")] = ...,
     calibration: Annotated[Optional[Path], typer.Option(help="The calibration directory the bundle was exported from: eigenvalues, clip search, --per-layer.")] = None,
-    group_size: Annotated[int, typer.Option(help="INT2 group size the runtime will use (capped at head_dim).")] = core.UPSTREAM_GROUP,
+    group_size: Annotated[int, typer.Option(help="INT2 group size the runtime will use (capped at head_dim).", callback=options.POSITIVE)] = core.UPSTREAM_GROUP,
     clips: Annotated[str, typer.Option(help="searched: one ratio per side on the calibration probe, keys uncentred; upstream: 0.96 / 0.92.")] = "searched",
-    key_clip: Annotated[Optional[float], typer.Option(help="Key clip ratio to serve with (overrides --clips).")] = None,
-    value_clip: Annotated[Optional[float], typer.Option(help="Value clip ratio to serve with (overrides --clips).")] = None,
+    key_clip: Annotated[Optional[float], typer.Option(help="Key clip ratio to serve with (overrides --clips).", callback=options.FRACTION)] = None,
+    value_clip: Annotated[Optional[float], typer.Option(help="Value clip ratio to serve with (overrides --clips).", callback=options.FRACTION)] = None,
     per_layer: Annotated[bool, typer.Option("--per-layer", help="One rotation per layer (C_Q, C_S averaged over KV heads), as their default files.")] = False,
 ) -> None:
     """Write a bundle as the two upstream rotation files, with serve.sh and what was dropped (oscar_upstream.json)."""
@@ -69,11 +71,11 @@ def import_(
     directory: Annotated[Path, typer.Argument(help="A seq<T>_prompt<N>_group<G> directory with the two .pt files.")],
     out: Annotated[Path, typer.Option("--out", help="Zoo root; the bundle goes to <out>/<org>/<model>/<version>/.")] = ...,
     model: Annotated[Optional[str], typer.Option(help="The model the rotations are for (hub id, directory, .gguf); default: the one an oscar export recorded.")] = None,
-    key_clip: Annotated[Optional[float], typer.Option(help="Key clip ratio it is served with; default: recorded by oscar export, else 0.96.")] = None,
-    value_clip: Annotated[Optional[float], typer.Option(help="Value clip ratio; default: recorded, else 0.92.")] = None,
-    group_size: Annotated[Optional[int], typer.Option(help="INT2 group size; default: from the directory name.")] = None,
-    name: Annotated[Optional[str], typer.Option(help="ORG/MODEL; default: from the model id.")] = None,
-    version: Annotated[Optional[str], typer.Option(help="Bundle version; default: upstream-<directory name>.")] = None,
+    key_clip: Annotated[Optional[float], typer.Option(help="Key clip ratio it is served with; default: recorded by oscar export, else 0.96.", callback=options.FRACTION)] = None,
+    value_clip: Annotated[Optional[float], typer.Option(help="Value clip ratio; default: recorded, else 0.92.", callback=options.FRACTION)] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="INT2 group size; default: from the directory name.", callback=options.POSITIVE)] = None,
+    name: Annotated[Optional[str], typer.Option(help="ORG/MODEL; default: from the model id.", callback=options.bundle_name)] = None,
+    version: Annotated[Optional[str], typer.Option(help="Bundle version; default: upstream-<directory name>.", callback=options.bundle_version)] = None,
 ) -> None:
     """Validate upstream rotation files against the model and write them as a bundle that verify and eval read."""
     from oscar_core.layers import layer_specs
@@ -86,7 +88,8 @@ def import_(
     if model is None:
         if record is None:
             raise OscarError(f"{directory} does not say which model it is for: pass --model")
-        model = resolve_model_spec(None, core.ModelInfo.model_validate(record["model"]))
+        with schema_errors(f"{directory / core.RECORD_FILE}: model"):
+            model = resolve_model_spec(None, core.ModelInfo.model_validate(record.get("model")))
     with console.status(f"loading {model} for its attention facts"):
         loaded = load_model(model, "cpu")
     path, manifest, files = core.import_upstream(directory, out, loaded.info, None, key_clip, value_clip, group_size,

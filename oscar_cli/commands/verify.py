@@ -6,11 +6,12 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from oscar_cli.options import COUNT, POSITIVE, SEQUENCE, THRESHOLD
 from oscar_cli.ui import console, err_console
 from oscar_core.data import DEFAULT_HELDOUT
 from oscar_core.fileio import atomic_write_json
-from oscar_core.verify import (DEFAULT_MAX_KL, DEFAULT_SEQ_LEN, VERIFY_FILE, VerifyRequest, layer_ranking, record as
-                               record_of, run_verify)
+from oscar_core.verify import (DEFAULT_MAX_KL, DEFAULT_NEEDLES, DEFAULT_SEQ_LEN, VERIFY_FILE, VerifyRequest,
+                               layer_ranking, record as record_of, run_verify)
 
 EXAMPLES = f"""
 Examples:
@@ -21,8 +22,9 @@ Examples:
 
   oscar verify bundle/rotations.safetensors --model ./my-model --data notes.txt --max-kl 0.05
 """
-GATE = (f"FAIL (exit 1) when OSCAR's next-token KL or perplexity is worse than KIVI-style INT2's, or its KL is above "
-        f"--max-kl (default: the manifest's max_kl, else {DEFAULT_MAX_KL} nats)")
+GATE = (f"FAIL (exit 1) when OSCAR's next-token KL, perplexity, NLL excess in any position bucket or needle retrieval "
+        f"is worse than KIVI-style INT2's, its KL is above --max-kl (default: the manifest's max_kl, else "
+        f"{DEFAULT_MAX_KL} nats), or --seq-len leaves too few tokens past the sink and recent BF16 windows to judge")
 SIDES = ("attention", "key", "value")
 NAMES = {"oscar": "OSCAR", "compare": "other", "kivi": "KIVI", "hadamard": "Hadamard", "int2": "none"}
 
@@ -31,27 +33,30 @@ def verify(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory or its rotations.safetensors.")],
     model: Annotated[Optional[str], typer.Option(help="Model to check against; default: the one the manifest names.")] = None,
     data: Annotated[str, typer.Option(help="Held-out text source (hub dataset, file or folder); default: IDLE's docs, shipped with oscar.")] = DEFAULT_HELDOUT,
-    samples: Annotated[int, typer.Option(help="Held-out samples.")] = 1,
-    seq_len: Annotated[Optional[int], typer.Option(help=f"Tokens per held-out sample; default: {DEFAULT_SEQ_LEN['cuda']} on CUDA, {DEFAULT_SEQ_LEN['cpu']} on the CPU, capped by the model's context.")] = None,
+    samples: Annotated[int, typer.Option(help="Held-out samples.", callback=POSITIVE)] = 1,
+    seq_len: Annotated[Optional[int], typer.Option(callback=SEQUENCE, help=f"Tokens per held-out sample, the length the gate judges; default: {DEFAULT_SEQ_LEN['cuda']} on CUDA (a served length), {DEFAULT_SEQ_LEN['cpu']} on the CPU, capped by the model's context.")] = None,
+    needles: Annotated[Optional[int], typer.Option(callback=COUNT, help=f"Needle prompts at --seq-len (0: none); default: {DEFAULT_NEEDLES['cuda']} on CUDA, {DEFAULT_NEEDLES['cpu']} on the CPU.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for drawing the samples.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda; default: cuda when available.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="Model dtype; default: float32 on CPU, bfloat16 on CUDA.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report here.")] = None,
-    max_kl: Annotated[Optional[float], typer.Option(help=f"Fail when OSCAR's next-token KL against BF16 passes this (nats); default: the manifest's max_kl, else {DEFAULT_MAX_KL}.")] = None,
-    max_logit_error: Annotated[Optional[float], typer.Option(help="Also fail when OSCAR's mean key logit error passes this (not checked unless given).")] = None,
+    max_kl: Annotated[Optional[float], typer.Option(callback=THRESHOLD, help=f"Fail when OSCAR's next-token KL against BF16 passes this (nats); default: the manifest's max_kl, else {DEFAULT_MAX_KL}.")] = None,
+    max_logit_error: Annotated[Optional[float], typer.Option(callback=THRESHOLD, help="Also fail when OSCAR's mean key logit error passes this (not checked unless given).")] = None,
     checks_only: Annotated[bool, typer.Option(help="Only check the bundle (no model run).")] = False,
     record: Annotated[bool, typer.Option(help="Write the headline figures to verify.json beside the bundle (zoo list and model cards show them).")] = False,
     compare: Annotated[Optional[Path], typer.Option(help="A second bundle for the same model (e.g. from `oscar upstream import`), measured beside this one.")] = None,
 ) -> None:
     """Check a bundle (schema, checksum, shapes, orthogonality, clips, model match), then measure its INT2 cache
-    against KIVI-style, Hadamard and unrotated INT2: per layer the attention-output error (and key logit / value
-    errors), end to end next-token KL, top-1 agreement and perplexity against BF16 at a long context.
+    against KIVI-style, Hadamard and unrotated INT2 at the length it is served: per layer the attention-output error
+    (and key logit / value errors), end to end next-token KL, top-1 agreement, perplexity and the NLL excess over
+    BF16 by position bucket, and needle retrieval.
 
-    FAIL (exit 1) when OSCAR's next-token KL or perplexity is worse than KIVI-style INT2's, or its KL is above
-    --max-kl (default: the manifest's max_kl, else 0.1 nats)."""
+    FAIL (exit 1) when OSCAR is worse than KIVI-style INT2 on KL, perplexity, any position bucket's NLL excess or
+    needles, its KL is above --max-kl (default: the manifest's max_kl, else 0.1 nats), or the length leaves too
+    few INT2 tokens to judge."""
     req = VerifyRequest(bundle=bundle, model=model, data=data, samples=samples, seq_len=seq_len, seed=seed,
                         device=device, dtype=dtype, compare=compare, checks_only=checks_only, max_kl=max_kl,
-                        max_logit_error=max_logit_error)
+                        max_logit_error=max_logit_error, needles=needles)
     with console.status("verifying") as status:
         report = run_verify(req, on_step=lambda s: status.update(s))
     _print_checks(report["checks"])
@@ -79,6 +84,12 @@ def _print_checks(checks: list[dict]) -> None:
 def _print_report(report: dict) -> None:
     _print_layers(report)
     _print_end_to_end(report)
+    _print_buckets(report)
+    needle = report.get("needle")
+    if needle:
+        console.print(f"needle retrieval at {report['seq_len']} tokens, {needle['prompts']} prompts: "
+                      + ", ".join(f"{NAMES.get(m, m.upper())} {c}/{needle['prompts']}"
+                                  for m, c in needle["correct"].items()))
     verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
     e2e = report["end_to_end"]
     figures = f"OSCAR next-token KL {e2e['kl']:.4f} nats"
@@ -150,6 +161,20 @@ def _print_end_to_end(report: dict) -> None:
         ppl = figures.get(f"{p}ppl")
         table.add_row(label, f"{figures[f'{p}kl']:.4f}", f"{figures[f'{p}top1_agreement']:.1%}",
                       "" if ppl is None else f"{ppl:.3f}")
+    console.print(table)
+
+
+def _print_buckets(report: dict) -> None:
+    buckets = report.get("buckets")
+    if not buckets:
+        return
+    runs = [r for r in ("oscar", "compare", "kivi", "hadamard", "int2") if r in buckets["excess"]]
+    table = Table(title="NLL excess over BF16 by position (nats a token)")
+    table.add_column("positions", justify="right")
+    for r in runs:
+        table.add_column(NAMES[r], justify="right")
+    for i, (first, last) in enumerate(buckets["bounds"]):
+        table.add_row(f"{first}-{last}", *[f"{buckets['excess'][r][i]:+.4f}" for r in runs])
     console.print(table)
 
 

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from oscar_cli.ui import console, err_console, progress
 from oscar_core import zoo as zoo_core
-from oscar_core.errors import OscarError
+from oscar_core.errors import OscarError, UsageError
 from oscar_core.verify import recorded_figures
 
 app = typer.Typer(name="zoo", no_args_is_help=True,
@@ -22,6 +22,8 @@ Names = Annotated[Optional[list[str]], typer.Argument(help="Bundle names (ORG/MO
 @app.command("list", epilog="Example:\n\n  oscar zoo list")
 def list_zoo(zoo: ZooDir = Path("zoo"), manifests: ManifestsDir = Path("manifests")) -> None:
     """Show every bundle of the zoo, and every recipe not built yet."""
+    if not zoo.is_dir():
+        raise UsageError(f"zoo directory not found: {zoo}")
     built = zoo_core.read_manifests(manifests)
     table = Table()
     for header in ("model", "version", "bits @128K", "calibration", "verify"):
