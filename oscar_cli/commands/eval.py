@@ -64,7 +64,7 @@ def eval_command(
                           depths=depth_list(depths), needle_trials=needle_trials, seed=seed)
         check, run, render, draw = check_request, evaluate, lambda r: [table(r)], plot_report
     else:
-        raise UsageError(f"unknown suite {suite}: use standard or ruler")
+        raise UsageError(f"unknown suite {suite}: use one of {', '.join(SUITES)}")
     b = load_bundle(bundle)
     check(req, b)
     m = b.manifest
@@ -73,11 +73,12 @@ def eval_command(
         report = run(loaded, b, req, on_step=lambda s: status.update(s))
     for t in render(report):
         console.print(t)
+    png = draw(report) if plot else None  # drawn before anything is written: a failing plot leaves no JSON either
     if json_out:
         atomic_write_bytes(json_out, json.dumps(report, indent=1).encode())
         console.print(f"[green]wrote[/] {json_out}")
     if plot:
-        atomic_write_bytes(plot, draw(report))
+        atomic_write_bytes(plot, png)
         console.print(f"[green]wrote[/] {plot}")
 
 
