@@ -45,18 +45,23 @@ class EvalRequest:
     seed: int = 0
 
 
-def check_request(req: EvalRequest, bundle, max_context: int | None = None) -> None:
-    """One-line UsageErrors for bad contexts, methods or depths (before any model is loaded)."""
-    if not req.methods:
+def check_lengths(contexts: list[int], method_names: list[str], bundle, max_context: int | None = None) -> None:
+    """One-line UsageErrors for no or unknown methods and for contexts under 64 tokens or beyond the model's limit."""
+    if not method_names:
         raise UsageError(f"--methods names no method: give some of {', '.join(methods.METHODS)}")
-    for m in req.methods:
+    for m in method_names:
         methods.check_method(m)
     limit = max_context or bundle.manifest.model.max_position_embeddings
-    for c in req.contexts:
+    for c in contexts:
         if c < 64:
             raise UsageError(f"--context {c} is too short: use at least 64 tokens")
         if limit and c > limit:
             raise UsageError(f"--context {c} is beyond the model's limit of {limit} tokens")
+
+
+def check_request(req: EvalRequest, bundle, max_context: int | None = None) -> None:
+    """One-line UsageErrors for bad contexts, methods or depths (before any model is loaded)."""
+    check_lengths(req.contexts, req.methods, bundle, max_context)
     if req.samples < 1 or req.needle_trials < 0 or any(not 0 <= d <= 1 for d in req.depths):
         raise UsageError("--samples must be positive, --needle-trials non-negative and depths in [0, 1]")
 
@@ -124,14 +129,17 @@ def perplexity(model, windows: torch.Tensor, method: str, bundle) -> float:
     return math.exp(nll / count)
 
 
+def encode(tokenizer, text: str) -> torch.Tensor:
+    """Token ids [n] of a piece of prompt text, without special tokens (prompts join such pieces id by id)."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
 def needle_prompt(tokenizer, filler: torch.Tensor, length: int, depth: float, key: str) -> torch.Tensor:
     """Token ids [length]: the tokenizer's bos_prefix, intro, filler with the needle at relative depth `depth`,
     the question."""
-    def enc(s):
-        return torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"], dtype=torch.long)
     bos = torch.tensor(bos_prefix(tokenizer), dtype=torch.long)
-    intro = torch.cat([bos, enc(NEEDLE_INTRO)])
-    needle, question = enc(NEEDLE.format(key=key)), enc(NEEDLE_QUESTION)
+    intro = torch.cat([bos, encode(tokenizer, NEEDLE_INTRO)])
+    needle, question = encode(tokenizer, NEEDLE.format(key=key)), encode(tokenizer, NEEDLE_QUESTION)
     n = length - len(intro) - len(needle) - len(question)
     if n < 0 or filler.numel() < n:
         raise OscarError(f"not enough filler text for a needle prompt of {length} tokens")
@@ -146,9 +154,13 @@ def answer_matches(text: str, key: str) -> bool:
 
 
 @torch.inference_mode()
-def needle_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[str], bundle, num_layers: int):
-    """{method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: prefill once, decode through each method's
-    cache. A hybrid model's layers without a KV cache start every method's decode from a copy of their prefill state."""
+def greedy_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[str], bundle, num_layers: int,
+                   max_new_tokens: int = ANSWER_TOKENS) -> dict[str, tuple[str, int, int, int]]:
+    """{method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: the greedy answer of up to max_new_tokens
+    to prompt [L] through each method's cache. The prompt but its last token is prefilled once with exact attention,
+    its K/V written into each method's OscarCache, and model.generate decodes the last prompt token and the answer
+    through that cache. A hybrid model's layers without a KV cache start every method's decode from a copy of their
+    prefill state."""
     ids = prompt[None].to(model.device)
     prefill = exact_cache(OscarCache(bundle, "bf16", num_layers=num_layers))
     cache_arg = cache_argument(model)
@@ -156,10 +168,10 @@ def needle_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[st
     out = {}
     for m in method_names:
         # Allocated for the prompt and the answer exactly, so the bytes reported are what the cache holds.
-        cache = fill(OscarCache(bundle, m, num_layers=num_layers, capacity=ids.shape[1] + ANSWER_TOKENS), prefill)
+        cache = fill(OscarCache(bundle, m, num_layers=num_layers, capacity=ids.shape[1] + max_new_tokens), prefill)
         with oscar_attention(model, cache):
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_arg: cache},
-                                 max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         out[m] = (tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), cache.get_seq_length(),
                   cache.nbytes(), cache.bf16_nbytes())
     return out
@@ -183,7 +195,8 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
                   m: {kind: {str(c): round(methods.bits_per_element(m, c, bundle, kind), 4) for c in req.contexts}
                       for kind in methods.layer_kinds(bundle)} for m in req.methods},
               "perplexity": {m: {} for m in req.methods}, "windows": {},
-              "needle": {m: {} for m in req.methods}, "needle_answers": [], "memory": {}, "timings_s": {}}
+              "needle": {m: {} for m in req.methods}, "needle_prompts": {}, "needle_answers": [], "memory": {},
+              "timings_s": {}}
     t0 = time.perf_counter()
     for c in req.contexts:
         wins = windows_of(tokens, c, req.samples, req.data, bos_prefix(tok))
@@ -198,13 +211,14 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
     for c in req.contexts:
         for m in req.methods:
             report["needle"][m][str(c)] = {str(d): 0.0 for d in req.depths}
+        report["needle_prompts"][str(c)] = {str(d): req.needle_trials for d in req.depths}
         for d in req.depths:
             for trial in range(req.needle_trials):
                 key = str(rng.randrange(10000, 100000))
                 start = rng.randrange(0, max(tokens.numel() - c, 1))
                 filler = torch.cat([tokens[start:], tokens[:start]])
                 step(f"needle @ {c}, depth {d:.0%}, trial {trial + 1}")
-                answers = needle_answers(model, tok, needle_prompt(tok, filler, c, d, key), req.methods, bundle,
+                answers = greedy_answers(model, tok, needle_prompt(tok, filler, c, d, key), req.methods, bundle,
                                          loaded.info.num_layers)
                 for m, (text, length, nbytes, bf16_bytes) in answers.items():
                     hit = answer_matches(text, key)

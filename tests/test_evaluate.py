@@ -89,6 +89,27 @@ def test_cli_errors_are_one_line(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_needle_results_say_how_many_prompts():
+    """The table and the plot give each needle accuracy with the number of prompts behind it."""
+    from rich.console import Console
+
+    from oscar_cli.commands.eval import plot_report, table
+
+    report = {"model": "m", "bundle": "b v1", "data": "d", "contexts": [512, 1024], "methods": ["bf16", "oscar"],
+              "labels": {"bf16": "BF16", "oscar": "OSCAR INT2"},
+              "bits_per_element": {m: {"512": 2.5, "1024": 2.5} for m in ("bf16", "oscar")},
+              "perplexity": {m: {"512": 10.0, "1024": 9.0} for m in ("bf16", "oscar")},
+              "needle": {"bf16": {"512": {"0.1": 1.0, "0.5": 0.5}, "1024": {"0.1": 1.0, "0.5": 1.0}},
+                         "oscar": {"512": {"0.1": 0.5, "0.5": 0.0}, "1024": {"0.1": 1.0, "0.5": 0.5}}},
+              "needle_prompts": {"512": {"0.1": 2, "0.5": 2}, "1024": {"0.1": 2, "0.5": 2}},
+              "needle_accuracy": {"bf16": {"512": 0.75, "1024": 1.0}, "oscar": {"512": 0.25, "1024": 0.75}}}
+    console = Console(width=250, record=True)
+    console.print(table(report))
+    shown = console.export_text()
+    assert "75% (3/4)" in shown and "25% (1/4)" in shown and "100% (4/4)" in shown
+    assert plot_report(report)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.slow
 def test_evaluate_short_context(default_model, tmp_path):
     """Perplexity and needle at 512 tokens: BF16 finds the key, naive INT2 is the worst perplexity."""
@@ -97,6 +118,6 @@ def test_evaluate_short_context(default_model, tmp_path):
     report = ev.evaluate(default_model, bundle, req)
     ppl = {m: report["perplexity"][m]["512"] for m in req.methods}
     assert ppl["bf16"] < ppl["int2"] and abs(ppl["oscar"] / ppl["bf16"] - 1) < 0.05
-    assert report["needle"]["bf16"]["512"]["0.3"] == 1.0
+    assert report["needle"]["bf16"]["512"]["0.3"] == 1.0 and report["needle_prompts"] == {"512": {"0.3": 1}}
     assert report["memory"]["oscar"]["bytes"] < report["memory"]["oscar"]["bf16_bytes"]
     assert report["bits_per_element"]["bf16"]["512"] == 16.0

@@ -179,7 +179,7 @@ def test_bf16_needle_decoding_equals_generate(gemma_dir, gemma_bundle):
     import warnings
 
     from oscar_core.bundle import load_bundle
-    from oscar_core.evaluate import ANSWER_TOKENS, needle_answers
+    from oscar_core.evaluate import ANSWER_TOKENS, greedy_answers
     from oscar_core.models import load_model
 
     loaded = load_model(str(gemma_dir), "cpu", "float32")
@@ -187,7 +187,7 @@ def test_bf16_needle_decoding_equals_generate(gemma_dir, gemma_bundle):
     prompt = torch.randint(3, 200, (96,), generator=torch.Generator().manual_seed(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        (text, tokens, nbytes, _), = needle_answers(loaded.model, loaded.tokenizer, prompt, ["bf16"], bundle,
+        (text, tokens, nbytes, _), = greedy_answers(loaded.model, loaded.tokenizer, prompt, ["bf16"], bundle,
                                                     3).values()
     assert not [w for w in caught if "past_key_values" in str(w.message)]
     with torch.inference_mode():
