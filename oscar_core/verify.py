@@ -18,7 +18,7 @@ End to end (simulate.py: every query reads what the INT2 cache would hold when i
 in BF16): next-token KL against BF16, top-1 agreement and perplexity of each method, and BF16 perplexity, at
 the length a bundle is served (default 32,768 tokens on CUDA, the model's context where shorter; 2,048 on the CPU, where long contexts are slow: pass --seq-len), with the NLL
 excess over BF16 per position bucket (BUCKETS equal spans of the sample: an error that grows with position shows
-in the last buckets), and needle retrieval through each method's cache at the same length (evaluate.needle_*).
+in the last buckets), and needle retrieval through each method's cache at the same length (evaluate.needle_prompt, greedy_answers).
 
 The gate: FAIL when
 - the length quantizes too little to judge (too_short);
@@ -497,11 +497,11 @@ def default_seq_len(device: str, limit: int | None = None) -> int:
 @torch.inference_mode()
 def needle_check(loaded, bundle: Bundle, data: str, seq_len: int, prompts: int, seed: int,
                  methods_=NEEDLE_METHODS) -> dict:
-    """Needle retrieval at seq_len through each method's cache (evaluate.needle_prompt / needle_answers): `prompts`
+    """Needle retrieval at seq_len through each method's cache (evaluate.needle_prompt / greedy_answers): `prompts`
     pass keys at depths spread evenly over 0.1..0.9 of held-out filler. {"prompts", "correct": {method: count}}."""
     import random
 
-    from oscar_core.evaluate import answer_matches, heldout_tokens, needle_answers, needle_prompt
+    from oscar_core.evaluate import answer_matches, greedy_answers, heldout_tokens, needle_prompt
 
     rng = random.Random(seed)
     filler = heldout_tokens(data, loaded.tokenizer, seq_len)
@@ -510,7 +510,7 @@ def needle_check(loaded, bundle: Bundle, data: str, seq_len: int, prompts: int, 
     for depth in depths:
         key = str(rng.randrange(10000, 100000))
         prompt = needle_prompt(loaded.tokenizer, filler, seq_len, depth, key)
-        answers = needle_answers(loaded.model, loaded.tokenizer, prompt, list(methods_), bundle,
+        answers = greedy_answers(loaded.model, loaded.tokenizer, prompt, list(methods_), bundle,
                                  loaded.info.num_layers)
         for m, (text, *_) in answers.items():
             correct[m] += answer_matches(text, key)
