@@ -22,6 +22,7 @@ from oscar_core import methods
 from oscar_core.cache import OscarCache, exact_cache, fill, oscar_attention
 from oscar_core.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
 from oscar_core.errors import OscarError, UsageError
+from oscar_core.metrics import bucket_figures
 from oscar_core.models import cache_argument
 from oscar_core.simulate import simulate_int2
 
@@ -107,26 +108,34 @@ def windows_of(tokens: torch.Tensor, length: int, n: int, source: str, prefix: l
 
 
 @torch.inference_mode()
-def negative_log_likelihood(model, ids: torch.Tensor) -> tuple[float, int]:
-    """(Σ −log p(x_{t+1} | x_≤t), number of targets) of ids [1, L]; logits made LOGIT_CHUNK rows at a time."""
+def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
+    """−log p(x_{t+1} | x_≤t) of each target of ids [1, L] → [L − 1] float64 (CPU); logits made LOGIT_CHUNK rows
+    at a time."""
     hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
     head = model.get_output_embeddings()
     targets = ids[0, 1:]
-    total = 0.0
+    out = []
     for s in range(0, targets.numel(), LOGIT_CHUNK):
         logits = head(hidden[s:s + LOGIT_CHUNK][: targets.numel() - s]).float()
-        total += float(torch.nn.functional.cross_entropy(logits, targets[s:s + LOGIT_CHUNK], reduction="sum"))
-    return total, targets.numel()
+        out.append(torch.nn.functional.cross_entropy(logits, targets[s:s + LOGIT_CHUNK], reduction="none").double())
+    return torch.cat(out).cpu()
+
+
+def negative_log_likelihood(model, ids: torch.Tensor) -> tuple[float, int]:
+    """(Σ −log p(x_{t+1} | x_≤t), number of targets) of ids [1, L]."""
+    nll = token_nll(model, ids)
+    return float(nll.sum()), nll.numel()
+
+
+def window_nll(model, windows: torch.Tensor, method: str, bundle) -> torch.Tensor:
+    """Per-target NLL [n, L − 1] of windows [n, L] with every query reading the method's simulated INT2 cache."""
+    with simulate_int2(model, method, bundle):
+        return torch.stack([token_nll(model, row[None].to(model.device)) for row in windows])
 
 
 def perplexity(model, windows: torch.Tensor, method: str, bundle) -> float:
     """exp(mean NLL) over all windows [n, L] with every query reading the method's simulated INT2 cache."""
-    nll, count = 0.0, 0
-    with simulate_int2(model, method, bundle):
-        for row in windows:
-            a, b = negative_log_likelihood(model, row[None].to(model.device))
-            nll, count = nll + a, count + b
-    return math.exp(nll / count)
+    return math.exp(float(window_nll(model, windows, method, bundle).mean()))
 
 
 def encode(tokenizer, text: str) -> torch.Tensor:
@@ -194,16 +203,20 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
               "bits_per_element_by_layer_type": {
                   m: {kind: {str(c): round(methods.bits_per_element(m, c, bundle, kind), 4) for c in req.contexts}
                       for kind in methods.layer_kinds(bundle)} for m in req.methods},
-              "perplexity": {m: {} for m in req.methods}, "windows": {},
+              "perplexity": {m: {} for m in req.methods}, "windows": {}, "buckets": {},
               "needle": {m: {} for m in req.methods}, "needle_prompts": {}, "needle_answers": [], "memory": {},
               "timings_s": {}}
     t0 = time.perf_counter()
     for c in req.contexts:
         wins = windows_of(tokens, c, req.samples, req.data, bos_prefix(tok))
         report["windows"][str(c)] = int(wins.shape[0])
+        nll = {}
         for m in req.methods:
             step(f"perplexity {m} @ {c}")
-            report["perplexity"][m][str(c)] = perplexity(model, wins, m, bundle)
+            nll[m] = window_nll(model, wins, m, bundle)
+            report["perplexity"][m][str(c)] = math.exp(float(nll[m].mean()))
+        if "bf16" in nll:  # the NLL excess over BF16 by position: an error that grows with position shows late
+            report["buckets"][str(c)] = bucket_figures({m: x - nll["bf16"] for m, x in nll.items() if m != "bf16"})
     report["timings_s"]["perplexity"] = round(time.perf_counter() - t0, 1)
 
     t0 = time.perf_counter()

@@ -57,3 +57,32 @@ def same_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> float:
     diff = (tokens[:, :n] != reference[:, :n]).int()
     first = torch.where(diff.any(1), diff.argmax(1), torch.full((diff.shape[0],), n))
     return first.float().mean().item()
+
+
+BUCKETS = 8  # position buckets of the NLL excess
+
+
+def bucket_figures(excess: dict[str, torch.Tensor], against: str = "kivi") -> dict:
+    """Per position bucket (BUCKETS equal spans of the targets): each run's mean NLL excess over BF16 (nats a
+    token), given each run's per-target excess [n] (or [windows, n], averaged over windows), and the standard error
+    of the mean of OSCAR's per-token excess minus `against`'s (the noise a comparison of the two must clear):
+        excess_b = mean_{t∈b} (nll_t − nll_t^BF16),   se_b = std_{t∈b}(Δ_t) / √|b|,   Δ = excess^OSCAR − excess^against
+    The buckets show an error that grows with position: at 32K, eight buckets of 4K tokens."""
+    excess = {run: x.reshape(-1, x.shape[-1]) for run, x in excess.items()}
+    rows, n = next(iter(excess.values())).shape
+    bucket_of = (torch.arange(n) * BUCKETS // n).repeat(rows)
+    count = torch.bincount(bucket_of, minlength=BUCKETS).double()
+    mean = lambda x: (torch.zeros(BUCKETS, dtype=torch.float64).index_add_(0, bucket_of, x.flatten().double().cpu())
+                      / count)  # noqa: E731
+    out = {"bounds": bucket_bounds(n + 1), "excess": {run: mean(x).tolist() for run, x in excess.items()}}
+    if "oscar" in excess and against in excess:
+        diff = excess["oscar"] - excess[against]
+        var = (mean(diff.pow(2)) - mean(diff).pow(2)).clamp_min(0) * count / (count - 1).clamp_min(1)
+        out["standard_error"] = (var / count).sqrt().tolist()
+    return out
+
+
+def bucket_bounds(t: int) -> list[list[int]]:
+    """[first, last] target position (the token predicted) of each of end_to_end's BUCKETS buckets for T tokens."""
+    bucket_of = (torch.arange(t - 1) * BUCKETS // (t - 1)).tolist()
+    return [[1 + bucket_of.index(i), 1 + len(bucket_of) - 1 - bucket_of[::-1].index(i)] for i in range(BUCKETS)]

@@ -46,14 +46,13 @@ from oscar_core.bundle import Bundle, Manifest, ModelInfo, bundle_layers
 from oscar_core.data import DEFAULT_HELDOUT
 from oscar_core.errors import OscarError
 from oscar_core.fidelity import capture_attention, roundtrip
-from oscar_core.metrics import causal_attention, logit_error, relative_error
+from oscar_core.metrics import bucket_figures, causal_attention, logit_error, relative_error
 from oscar_core.rotations import orthogonality_error
 
 ORTHOGONALITY_TOLERANCE = 1e-5
 VERIFY_FILE = "verify.json"  # `oscar verify --record` writes the headline figures beside the bundle
 COMPARED = ("oscar", "kivi", "hadamard", "int2")  # per layer and end to end, at the same bits
 DEFAULT_SEQ_LEN = {"cuda": 32768, "cpu": 2048}       # held-out tokens per sample, by device type
-BUCKETS = 8                                            # position buckets of the NLL excess
 BUCKET_TIE = 1e-3                                      # nats a token: a bucket's excess this close to KIVI's ties,
 BUCKET_SIGMAS = 2.0                                    # ... or within this many standard errors of the difference
 DEFAULT_NEEDLES = {"cuda": 10, "cpu": 0}               # needle prompts at the verify length, by device type
@@ -269,27 +268,6 @@ def end_to_end(model, ids: torch.Tensor, runs: dict[str, tuple[str, Bundle]]) ->
         figures[name] = {"kl": sums[name]["kl"] / t, "top1_agreement": sums[name]["top1"] / t,
                          "ppl": math.exp(float(nll[name].mean())), "token_excess": nll[name] - nll["bf16"]}
     return figures
-
-
-def bucket_figures(excess: dict[str, torch.Tensor], against: str = "kivi") -> dict:
-    """Per position bucket (BUCKETS equal spans of the targets): each run's mean NLL excess over BF16 (nats a
-    token), and the standard error of the mean of OSCAR's per-token excess minus `against`'s (the gate's noise)."""
-    n = len(next(iter(excess.values())))
-    bucket_of = torch.arange(n) * BUCKETS // n
-    count = torch.bincount(bucket_of, minlength=BUCKETS).double()
-    mean = lambda x: (torch.zeros(BUCKETS, dtype=torch.float64).index_add_(0, bucket_of, x) / count)  # noqa: E731
-    out = {"bounds": bucket_bounds(n + 1), "excess": {run: mean(x).tolist() for run, x in excess.items()}}
-    if "oscar" in excess and against in excess:
-        diff = excess["oscar"] - excess[against]
-        var = (mean(diff.pow(2)) - mean(diff).pow(2)).clamp_min(0) * count / (count - 1).clamp_min(1)
-        out["standard_error"] = (var / count).sqrt().tolist()
-    return out
-
-
-def bucket_bounds(t: int) -> list[list[int]]:
-    """[first, last] target position (the token predicted) of each of end_to_end's BUCKETS buckets for T tokens."""
-    bucket_of = (torch.arange(t - 1) * BUCKETS // (t - 1)).tolist()
-    return [[1 + bucket_of.index(i), 1 + len(bucket_of) - 1 - bucket_of[::-1].index(i)] for i in range(BUCKETS)]
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -62,7 +62,7 @@ def eval_command(
     elif suite == "standard":
         req = EvalRequest(contexts=contexts, methods=names, data=data, samples=2 if samples is None else samples,
                           depths=depth_list(depths), needle_trials=needle_trials, seed=seed)
-        check, run, render, draw = check_request, evaluate, lambda r: [table(r)], plot_report
+        check, run, render, draw = check_request, evaluate, lambda r: [table(r), *bucket_tables(r)], plot_report
     else:
         raise UsageError(f"unknown suite {suite}: use one of {', '.join(SUITES)}")
     b = load_bundle(bundle)
@@ -108,6 +108,21 @@ def table(report: dict) -> Table:
                     "–" if acc is None else f"{acc:.0%} ({round(acc * n)}/{n})"]
         t.add_row(*row)
     return t
+
+
+def bucket_tables(report: dict) -> list[Table]:
+    """One table a context: each method's NLL excess over BF16 (nats a token) by position bucket."""
+    out = []
+    for c, buckets in report.get("buckets", {}).items():
+        runs = [m for m in report["methods"] if m in buckets["excess"]]
+        t = Table(title=f"NLL excess over BF16 by position @ {c} tokens ({report['windows'][c]} windows)")
+        t.add_column("positions", justify="right")
+        for m in runs:
+            t.add_column(report["labels"][m], justify="right")
+        for i, (first, last) in enumerate(buckets["bounds"]):
+            t.add_row(f"{first}-{last}", *(f"{buckets['excess'][m][i]:+.4f}" for m in runs))
+        out.append(t)
+    return out
 
 
 def ruler_tables(report: dict) -> list[Table]:
