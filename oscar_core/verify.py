@@ -403,14 +403,22 @@ def headline(report: dict) -> dict[str, float]:
 
 
 def recorded_figures(bundle_dir) -> dict[str, float] | None:
-    """The figures `oscar verify --record` left beside a bundle, if any."""
+    """The figures `oscar verify --record` left beside a bundle, if any, with the length they were measured at
+    ("verified at tokens") and, where measured, needles retrieved (OSCAR's and KIVI-style's)."""
     import json
     from pathlib import Path
 
     path = Path(bundle_dir) / VERIFY_FILE
     try:
-        return json.loads(path.read_text())["figures"] if path.is_file() else None
-    except (ValueError, KeyError):
+        if not path.is_file():
+            return None
+        recorded = json.loads(path.read_text())
+        figures = {"verified at tokens": recorded["seq_len"], **recorded["figures"]}
+        if "needle" in recorded:
+            n = recorded["needle"]
+            figures.update({f"needles {m} of {n['prompts']}": n["correct"][m] for m in ("oscar", "kivi")})
+        return figures
+    except (ValueError, KeyError, TypeError):
         return None
 
 
