@@ -157,10 +157,10 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
         lines.append("")
     else:
         lines += ["No verify or eval figures were recorded for this bundle.", ""]
-    from oscar_core.verify import DEFAULT_MAX_KL
-
-    lines.append(f"`oscar verify` fails this bundle when, with its INT2 cache, the model's next-token KL against BF16 "
-                 f"passes {manifest.max_kl or DEFAULT_MAX_KL} nats or its next-token KL, perplexity, NLL excess over "
+    bound = (f"the model's next-token KL against BF16 passes {manifest.max_kl} nats or "
+             if manifest.max_kl is not None else "")
+    lines.append(f"`oscar verify` fails this bundle when, with its INT2 cache, {bound}the model's next-token KL, "
+                 "perplexity, NLL excess over "
                  "BF16 in any position bucket or needle retrieval is worse than with a KIVI-style INT2 cache, at the "
                  "length it is served (32,768 tokens on CUDA by default; `verified at tokens` above).")
 

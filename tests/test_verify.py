@@ -11,7 +11,7 @@ from oscar_core import methods
 from oscar_core.bundle import load_bundle, write_bundle
 from oscar_core.data import DEFAULT_HELDOUT, load_samples
 from oscar_core.fidelity import capture_attention
-from oscar_core.verify import (DEFAULT_MAX_KL, gate, layer_errors, layer_ranking, merge_reports, query_positions,
+from oscar_core.verify import (gate, layer_errors, layer_ranking, merge_reports, query_positions,
                                restored)
 
 COMMITTED = Path(__file__).resolve().parents[1] / "zoo" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "v1"
@@ -39,16 +39,32 @@ def report_with(kl=0.01, kivi_kl=0.02, ppl=20.0, kivi_ppl=21.0, logit=0.2):
 
 
 def test_the_gate_fails_a_bundle_that_loses_to_kivi_or_passes_the_kl_bound():
-    assert gate(report_with(), DEFAULT_MAX_KL) == []
-    assert gate(report_with(kl=0.0205, ppl=21.01), DEFAULT_MAX_KL) == []  # ties: within 0.001 nats and 0.1%
-    assert gate(report_with(kl=0.03), DEFAULT_MAX_KL) == [
+    assert gate(report_with(), 0.1) == []
+    assert gate(report_with(kl=0.0205, ppl=21.01), 0.1) == []  # ties: within 0.001 nats and 0.1%
+    assert gate(report_with(kl=0.03), 0.1) == [
         "OSCAR loses to KIVI-style: next-token KL 0.0300 > 0.0200 nats"]
-    assert gate(report_with(ppl=21.5), DEFAULT_MAX_KL) == ["OSCAR loses to KIVI-style: perplexity 21.500 > 21.000"]
-    assert gate(report_with(kl=0.2, kivi_kl=0.3), DEFAULT_MAX_KL) == [
+    assert gate(report_with(ppl=21.5), 0.1) == ["OSCAR loses to KIVI-style: perplexity 21.500 > 21.000"]
+    assert gate(report_with(kl=0.2, kivi_kl=0.3), 0.1) == [
         "OSCAR's next-token KL 0.2000 nats is above the bound 0.1"]
-    assert gate(report_with(), DEFAULT_MAX_KL, max_logit_error=0.01) == [
+    assert gate(report_with(), 0.1, max_logit_error=0.01) == [
         "OSCAR mean logit error 0.2000 is above the threshold 0.01"]
-    assert gate(report_with(), DEFAULT_MAX_KL, max_logit_error=0.5) == []
+    assert gate(report_with(), 0.1, max_logit_error=0.5) == []
+    assert gate(report_with(kl=0.2, kivi_kl=0.3)) == []   # no absolute bound unless one is given
+
+
+def test_the_gate_reads_position_buckets_and_needles_beyond_their_noise():
+    def with_buckets(ours, kivi, se, correct=(8, 8)):
+        return {**report_with(), "buckets": {"bounds": [[1, 10], [11, 20]], "excess": {"oscar": ours, "kivi": kivi},
+                                             "standard_error": se},
+                "needle": {"prompts": 10, "correct": {"oscar": correct[0], "kivi": correct[1]}}, "seq_len": 20}
+
+    assert gate(with_buckets([0.01, 0.02], [0.05, 0.06], [0.01, 0.01])) == []
+    assert gate(with_buckets([0.01, 0.05], [0.05, 0.04], [0.01, 0.01])) == []   # within two standard errors
+    assert gate(with_buckets([0.01, 0.30], [0.05, 0.04], [0.01, 0.01])) == [
+        "OSCAR loses to KIVI-style at positions 11-20: NLL excess over BF16 +0.3000 > +0.0400 nats a token"]
+    assert gate(with_buckets([0.0, 0.0], [0.0, 0.0], [0.0, 0.0], correct=(1, 2))) == []   # noise
+    assert gate(with_buckets([0.0, 0.0], [0.0, 0.0], [0.0, 0.0], correct=(1, 8))) == [
+        "OSCAR retrieves fewer needles than KIVI-style at 20 tokens: 1 < 8 of 10"]
 
 
 def test_samples_merge_with_perplexity_pooled_over_tokens():
