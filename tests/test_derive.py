@@ -159,3 +159,58 @@ def test_each_layer_keeps_the_key_format_that_attention_sees_least():
                              DeriveOptions(sink_tokens=8, key_formats=(("channel", "none"),)))
     assert info["key_axis"] == "channel" and info["errors"] == {}          # one format: nothing to choose
     assert torch.equal(one["key_rotation"], torch.eye(64, dtype=torch.float64)[None])
+
+
+def test_a_key_mean_that_turns_with_position_is_scored_where_the_bundle_is_served():
+    """Keys with a large mean in a slow RoPE pair (a k_proj bias) that barely turns over the probe's 256 positions and
+    by radians at far ones: per-token groups, centred on the probe's mean, carry the turned residual there, which the
+    probe alone never shows; every format is scored at the probe turned to far offsets, and the kept one is the
+    format whose worst error over them is the smallest."""
+    from oscar_core.derive import derive_layer
+    from oscar_core.rope import far_offsets, turn
+
+    g = torch.Generator().manual_seed(0)
+    inv_freq = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    slow = 24                                             # θ = 3e-4: 0.08 rad over the probe, ~10 rad at 32K
+    keys = torch.randn(2, 1, T, 64, generator=g, dtype=torch.float64)
+    keys = keys * (0.1 + 3 * torch.rand(2, 1, T, 1, generator=g) ** 3)
+    keys[..., slow] += 40.0
+    keys[..., slow + 32] += 40.0
+    queries = torch.randn(2, 2, T, 64, generator=g, dtype=torch.float64)
+    at = torch.arange(T)   # post-RoPE, as the hooks see them: token t turned by t
+    keys = torch.stack([torch.stack([turn(keys[s, 0, t], inv_freq, int(t)) for t in at]) for s in range(2)])[:, None]
+    queries = torch.stack([torch.stack([turn(queries[s, :, t], inv_freq, int(t)) for t in at], 1) for s in range(2)])
+    stats = stats_of_layer(keys.float(), queries.float())
+    offsets = far_offsets(32768, T)
+    assert offsets == (4096, 8192, 16384, 32512) and far_offsets(256, T) == ()
+    _, near = derive_layer(stats, 0, DeriveOptions(sink_tokens=8))
+    _, far = derive_layer(stats, 0, DeriveOptions(sink_tokens=8, far_offsets=offsets), inv_freq)
+    errors, token = far["errors"], "token U_Q·H·P_br"
+    assert set(near["errors"]) == {token, "channel none", "channel U_Q"}
+    assert {k for k in errors if "@" in k} == {f"{n} @{o}" for n in near["errors"] for o in offsets}
+    assert max(errors[f"{token} @{o}"] for o in offsets) > 5 * errors[token]   # the residual mean grows far out
+    worst = {n: max(v for k, v in errors.items() if k.split(" @")[0] == n) for n in near["errors"]}
+    assert far["key_format"] == min(worst, key=worst.get) and far["key_axis"] == "channel"
+    # Without RoPE frequencies (a calibration that did not record them) the offsets cannot be scored.
+    _, none = derive_layer(stats, 0, DeriveOptions(sink_tokens=8, far_offsets=offsets))
+    assert none["errors"] == near["errors"]
+
+
+def test_turning_is_exact_rope():
+    """rope.turn(x at p, Δ) is x at p + Δ for transformers' rotate_half RoPE, partial RoPE included."""
+    from oscar_core.rope import turn
+
+    g = torch.Generator().manual_seed(0)
+    inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 32)   # RoPE on 16 of 32 channels
+
+    def rope(x, p):
+        angle = p * inv_freq
+        cos, sin = torch.cat([angle.cos()] * 2), torch.cat([angle.sin()] * 2)
+        rot, rest = x[..., :16], x[..., 16:]
+        half = torch.cat([-rot[..., 8:], rot[..., :8]], -1)
+        return torch.cat([rot * cos + half * sin, rest], -1)
+
+    x = torch.randn(5, 32, generator=g, dtype=torch.float64)
+    assert torch.allclose(turn(rope(x, 7), inv_freq, 1000), rope(x, 1007), atol=1e-10)
+    q, k = torch.randn(2, 32, generator=g, dtype=torch.float64)
+    assert torch.allclose(turn(q, inv_freq, 5000) @ turn(k, inv_freq, 5000), q @ k)   # logits unchanged
