@@ -344,8 +344,8 @@ def test_a_zoo_with_nothing_to_do_is_an_error(tmp_path, capfd, monkeypatch, comm
 def test_committed_default_bundle_checks_under_each_instruction_set(capability):
     """`oscar zoo check` on the repo's own zoo, with torch dispatching to each CPU instruction set this machine
     has: the committed default bundle is byte-identical or numerically equivalent to the rebuild. The verify
-    run (minutes on 2 cores) is part of the first setting's check only, and so is the packaged Qwen2.5-Coder-0.5B
-    (after `make models`; skipped, saying so, without it), to keep the suite short."""
+    run (minutes on 2 cores) is part of the first setting's check only, and so are the packaged Qwen2.5-Coder-0.5B
+    and Gemma 3 270M (after `make models`; skipped, saying so, without it), to keep the suite short."""
     import subprocess
 
     from oscar_core import packaged
@@ -365,6 +365,8 @@ def test_committed_default_bundle_checks_under_each_instruction_set(capability):
                 or "equivalent Qwen/Qwen2.5-Coder-0.5B-Instruct v1" in out), out
     elif first:
         assert "skipped Qwen/Qwen2.5-Coder-0.5B-Instruct v1: not available here" in out and "make models" in out, out
+    if first and packaged.installed_path("gemma-3-270m") is not None:
+        assert "same google/gemma-3-270m v1" in out or "equivalent google/gemma-3-270m v1" in out, out
     if "equivalent" in out:
         assert "key_rotation" in out and ("verify logit_error" in out) == first, out
 
