@@ -181,7 +181,7 @@ def greedy_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[st
         with oscar_attention(model, cache):
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_arg: cache},
                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        out[m] = (tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), cache.get_seq_length(),
+        out[m] = (tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), int(cache.get_seq_length()),
                   cache.nbytes(), cache.bf16_nbytes())
     return out
 

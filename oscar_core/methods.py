@@ -234,5 +234,9 @@ def bits_per_element(method: str, context: int, bundle=None, kind: str | None = 
 
 
 def layer_kinds(bundle) -> list[str]:
-    """The kinds of KV layer a bundle's model has: "global", and "sliding" where it has sliding layers."""
-    return ["global"] + (["sliding"] if bundle is not None and bundle.manifest.rotation.windows else [])
+    """The kinds of KV layer a bundle's model has, of "global" and "sliding" (bits_per_element's `kind`)."""
+    if bundle is None:
+        return ["global"]
+    slide = {int(i) for i in bundle.manifest.rotation.windows or {}}
+    return (["global"] if any(i not in slide for i in bundle_layers(bundle.manifest)) else []) + \
+        (["sliding"] if slide else [])

@@ -421,7 +421,8 @@ def recorded_figures(bundle_dir) -> dict[str, float] | None:
         if not path.is_file():
             return None
         recorded = json.loads(path.read_text())
-        figures = {"verified at tokens": recorded["seq_len"], **recorded["figures"]}
+        figures = {**({"verified at tokens": recorded["seq_len"]} if "seq_len" in recorded else {}),
+                   **recorded["figures"]}
         if "needle" in recorded:
             n = recorded["needle"]
             figures.update({f"needles {m} of {n['prompts']}": n["correct"][m] for m in ("oscar", "kivi")})

