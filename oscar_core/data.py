@@ -115,6 +115,9 @@ def bos_prefix(tokenizer) -> list[int]:
     full = tokenizer("a")["input_ids"]
     if len(full) > len(plain) and full[len(full) - len(plain):] == plain:
         return list(full[:len(full) - len(plain)])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if getattr(tokenizer, "add_bos_token", False) is True and bos is not None:
+        return [bos]   # declared but not applied by this transformers' tokenizer (a GGUF's, on 5.17)
     return []
 
 

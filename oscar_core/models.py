@@ -150,6 +150,18 @@ def gguf_name(path: str | Path) -> str | None:
     return f"{clean(field('organization') or 'local')}/{clean(name)}"
 
 
+def gguf_adds_bos(path: str | Path) -> bool | None:
+    """The GGUF file's `tokenizer.ggml.add_bos_token` (None when it does not say): whether every text the model is
+    served starts with BOS. Some transformers versions (5.17) drop it when they build the tokenizer from the file."""
+    from gguf import GGUFReader
+
+    f = GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+    try:
+        return None if f is None else bool(f.contents())
+    except (ValueError, IndexError):
+        return None
+
+
 def model_info(spec: str | None, config, weights_file: str | None, source: str, architecture: str) -> ModelInfo:
     facts = attention_facts(config, architecture)
     if spec in (None, "", DEFAULT_MODEL):
@@ -273,6 +285,8 @@ def load_model(spec: str | None = None, device: str = "cpu", dtype: str | torch.
         config = AutoConfig.from_pretrained(source, **kwargs)
         check_attention_layers(config, (getattr(config, "architectures", None) or [type(config).__name__])[0])
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        if weights_file and weights_file.endswith(".gguf") and gguf_adds_bos(weights_file):
+            tokenizer.add_bos_token = True   # data.bos_prefix reads it where encoding does not add BOS
         if max_memory is not None:
             from accelerate import init_empty_weights
 

@@ -25,8 +25,15 @@ class BosTokenizer(CharTokenizer):
         return {"input_ids": ([300] if add_special_tokens else []) + ids}
 
 
+class DeclaredBosTokenizer(CharTokenizer):
+    """Says it adds BOS but does not (transformers 5.17's tokenizer of a Gemma GGUF)."""
+
+    add_bos_token, bos_token_id = True, 300
+
+
 def test_every_window_starts_with_the_tokenizers_bos():
     assert bos_prefix(CharTokenizer()) == [] and bos_prefix(BosTokenizer()) == [300]
+    assert bos_prefix(DeclaredBosTokenizer()) == [300]
     plain = list(token_windows(["a" * 50, "b" * 50], CharTokenizer(), 16))
     windows = list(token_windows(["a" * 50, "b" * 50], BosTokenizer(), 16, bos_prefix(BosTokenizer())))
     assert all(w.shape == (16,) and w[0] == 300 and (w[1:] != 300).all() for w in windows)
