@@ -66,7 +66,8 @@ def bucket_figures(excess: dict[str, torch.Tensor], against: str = "kivi") -> di
     """Per position bucket (BUCKETS equal spans of the targets): each run's mean NLL excess over BF16 (nats a
     token), given each run's per-target excess [n] (or [windows, n], averaged over windows), and the standard error
     of the mean of OSCAR's per-token excess minus `against`'s (the noise a comparison of the two must clear):
-        excess_b = mean_{t∈b} (nll_t − nll_t^BF16),   se_b = std_{t∈b}(Δ_t) / √|b|,   Δ = excess^OSCAR − excess^against
+        excess_b = mean_{t∈b} (nll_t − nll_t^BF16),   se_b = std_{t∈b}(Δ_t) / √|b|,
+        Δ = excess^OSCAR − excess^against
     The buckets show an error that grows with position: at 32K, eight buckets of 4K tokens."""
     excess = {run: x.reshape(-1, x.shape[-1]) for run, x in excess.items()}
     rows, n = next(iter(excess.values())).shape

@@ -16,9 +16,10 @@ logits flattens its attention; the attention error sees that.
 
 End to end (simulate.py: every query reads what the INT2 cache would hold when it is decoded, recent window
 in BF16): next-token KL against BF16, top-1 agreement and perplexity of each method, and BF16 perplexity, at
-the length a bundle is served (default 32,768 tokens on CUDA, the model's context where shorter; 2,048 on the CPU, where long contexts are slow: pass --seq-len), with the NLL
-excess over BF16 per position bucket (BUCKETS equal spans of the sample: an error that grows with position shows
-in the last buckets), and needle retrieval through each method's cache at the same length (evaluate.needle_prompt, greedy_answers).
+the length a bundle is served (default 32,768 tokens on CUDA, the model's context where shorter; 2,048 on the CPU,
+where long contexts are slow: pass --seq-len), with the NLL excess over BF16 per position bucket (metrics.BUCKETS
+equal spans of the sample: an error that grows with position shows in the last buckets), and needle retrieval
+through each method's cache at the same length (evaluate.needle_prompt, greedy_answers).
 
 The gate: FAIL when
 - the length quantizes too little to judge (too_short);
