@@ -331,6 +331,32 @@ def bundle_dir(path: str | Path) -> Path:
     return path
 
 
+def fetch_bundle(source: str | Path, revision: str | None = None) -> Path:
+    """The directory of a bundle: `source` itself when it is a local path, else a Hugging Face repo id ("org/name",
+    as `oscar push` publishes it) whose manifest.json and tensor file are downloaded as plain files (a bundle's
+    files are never links) into OSCAR_BUNDLES/<org>/<name>/<revision> (default ~/.cache/oscar/bundles); with
+    HF_HUB_OFFLINE=1 the files already there are used."""
+    import os
+
+    path = Path(source)
+    if path.exists() or str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
+        return bundle_dir(path)
+    from huggingface_hub import hf_hub_download
+
+    root = Path(os.environ.get("OSCAR_BUNDLES") or Path.home() / ".cache" / "oscar" / "bundles")
+    local = root / check_name(str(source), "bundle repo id") / check_name(revision or "main", "revision")
+    try:
+        manifest = Path(hf_hub_download(str(source), MANIFEST_FILE, revision=revision, local_dir=local))
+        name = read_manifest(manifest.parent).tensors.file
+        hf_hub_download(str(source), name, revision=revision, local_dir=local)
+    except OscarError:
+        raise
+    except Exception as e:  # the hub client's errors: not found, offline and not cached, network
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OscarError(f"cannot fetch bundle {source}: {first}") from None
+    return manifest.parent
+
+
 def read_manifest(path: str | Path) -> Manifest:
     path = bundle_dir(path) / MANIFEST_FILE
     if not path.is_file():

@@ -55,11 +55,13 @@ import dataclasses
 import math
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from oscar_core import absorb, kvstore, methods
+from oscar_core.bundle import fetch_bundle, load_bundle
 from oscar_core.errors import OscarError
 from oscar_core.layers import LayerSpec, holds_int2, layer_specs, manifest_specs
 from oscar_core.statistics import route_attention
@@ -475,6 +477,13 @@ class OscarCache(Cache):
     values are stored as they come and read without õ·R_V^T; oscar_attention refuses a model and cache that
     disagree on it.
     """
+
+    @classmethod
+    def from_pretrained(cls, bundle: str | Path, method: str = "oscar", revision: str | None = None,
+                        device: str | torch.device = "cpu", **kwargs) -> "OscarCache":
+        """The cache of a bundle directory or a hub repo id (bundle.fetch_bundle: honours HF_HUB_OFFLINE), its
+        tensors on `device`; kwargs as __init__ takes them."""
+        return cls(load_bundle(fetch_bundle(bundle, revision), device), method, **kwargs)
 
     def __init__(self, bundle=None, method: str = "oscar", num_layers: int | None = None, config=None,
                  sink_tokens: int | None = None, recent_tokens: int | None = None, kernel_reads: bool | None = None,

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_cli
 
 from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, manifest_json
@@ -343,3 +344,30 @@ def test_oscar_layout_card_says_how_to_serve_with_sglang(hub, bundle):
     assert "## Serve with SGLang" in card
     assert "oscar upstream export oscar-bundle --out rotations --clips upstream --calibration CALIBRATION_DIR" in card
     assert "python -m sglang.launch_server --model-path oscar-test/tiny-llama --kv-cache-dtype int2" in card
+
+
+def test_a_cache_from_a_bundle_directory_or_a_hub_id(server, client_env, hub, tmp_path, monkeypatch):
+    """OscarCache.from_pretrained: a local bundle as it is; a repo id downloaded through the hub client (the local
+    stand-in hub) into its cache, then read from that cache alone under HF_HUB_OFFLINE; an unknown id is one line."""
+    if hub != "hf":
+        pytest.skip("hub ids are Hugging Face repos")
+    import huggingface_hub.constants as c
+
+    from oscar_core.bundle import load_bundle
+    from oscar_core.cache import OscarCache
+    from oscar_core.errors import OscarError
+
+    write_tiny_bundle(tmp_path / "bundle")
+    local = OscarCache.from_pretrained(tmp_path / "bundle", "oscar")
+    files = {name: (tmp_path / "bundle" / name).read_bytes() for name in ("manifest.json", "rotations.safetensors")}
+    server.seed(REPO, files)
+    monkeypatch.setenv("OSCAR_BUNDLES", str(tmp_path / "bundles"))
+    fetched = OscarCache.from_pretrained(REPO, "kivi")
+    want = load_bundle(tmp_path / "bundle")
+    assert fetched.bundle.manifest == want.manifest and fetched.method == "kivi" and local.method == "oscar"
+    assert all(torch.equal(fetched.bundle.tensors[k], v) for k, v in want.tensors.items())
+    server.stop()
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    assert OscarCache.from_pretrained(REPO).bundle.manifest == want.manifest      # from the cache, no server
+    with pytest.raises(OscarError, match="cannot fetch bundle alice/none"):
+        OscarCache.from_pretrained("alice/none")
