@@ -251,19 +251,19 @@ def end_to_end(model, ids: torch.Tensor, runs: dict[str, tuple[str, Bundle]]) ->
     sums = {name: {"kl": 0.0, "top1": 0.0} for name in runs}
     nll = {name: [] for name in ("bf16", *runs)}  # per target, for the position buckets
 
-    def token_nll(log_p, tgt):
+    def target_nll(log_p, tgt):
         return -log_p[: len(tgt)].gather(-1, tgt[:, None])[:, 0].cpu()
 
     for a in range(0, t, LOGIT_CHUNK):
         b = min(a + LOGIT_CHUNK, t)
         tgt = targets[a:b]
         ref = torch.log_softmax(_logits(model, reference[a:b]).double(), -1)
-        nll["bf16"].append(token_nll(ref, tgt))
+        nll["bf16"].append(target_nll(ref, tgt))
         for name, h in states.items():
             out = torch.log_softmax(_logits(model, h[a:b]).double(), -1)
             sums[name]["kl"] += float((ref.exp() * (ref - out)).sum())
             sums[name]["top1"] += float((out.argmax(-1) == ref.argmax(-1)).sum())
-            nll[name].append(token_nll(out, tgt))
+            nll[name].append(target_nll(out, tgt))
     nll = {name: torch.cat(x) for name, x in nll.items()}
     figures = {"bf16": {"ppl": math.exp(float(nll["bf16"].mean()))}}
     for name in runs:
