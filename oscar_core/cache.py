@@ -516,12 +516,14 @@ class OscarCache(Cache):
             query_heads = config.get_text_config().num_attention_heads if config is not None else None
             specs = layer_specs(config) if config is not None else [LayerSpec()] * num_layers
         short = [s.window is not None and not holds_int2(s, sink, recent) for s in specs]
-        # Sliding layers of the methods without a store (bf16; kivi's short windows) are BF16 rings.
+        # Sliding layers of the methods without a store (bf16; kivi's short windows) are BF16 rings. A short window
+        # of the others is a store the decode kernel reads with no sink: every token leaves the window in turn.
         ring = [(s.window is not None and method == "bf16") or (short[i] and method == "kivi")
                 for i, s in enumerate(specs)]
         super().__init__(layers=[
             state_layer() if not s.kv_cache else RingLayer(s.window) if ring[i] else
-            OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, window=s.window,
+            OscarLayer(method, i, bundle, 0 if short[i] else sink, recent, self.sequences, kernel_writes, query_heads,
+                       window=s.window,
                        value_layout=value_layout, int2=not short[i], values_absorbed=values_absorbed)
             for i, s in enumerate(specs[:num_layers])])
 

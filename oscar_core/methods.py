@@ -204,8 +204,8 @@ def bits_per_element(method: str, context: int, bundle=None, kind: str | None = 
     layer, the same tokens: a sliding layer its window), BF16 windows, codes and metadata counted
     (quant.layer_bits_per_element, quant.cache_bits_per_element): per layer, the tokens past the sink that do not
     fill a whole block of the layer's token_block outside the recent window stay BF16, the rest cost 2 + 16/G bits;
-    a sliding layer that holds no INT2 (the bundle's rotation.windows beside rotation.layers) is BF16: a ring of
-    its window for kivi, the sink and its window for the methods whose stores the decode kernel reads.
+    a sliding layer that holds no INT2 (the bundle's rotation.windows beside rotation.layers) is BF16, its window
+    and no sink (a ring for kivi, a store the decode kernel reads for the others: cache.OscarCache).
     kind: "global" or "sliding" for those layers alone; None: the whole cache. Without a bundle: one global layer,
     groups of 64."""
     check_method(method)
@@ -221,11 +221,8 @@ def bits_per_element(method: str, context: int, bundle=None, kind: str | None = 
         r = window_recent(slide.get(layer), recent, lm.token_block, stored(lm, method))
         out.append((quant.layer_bits_per_element(context, lm.key.group_size, lm.value.group_size, sink, r,
                                                  lm.token_block, slide.get(layer)), slide.get(layer)))
-    # A window kept whole in BF16: kivi's and bf16's caches hold it as a ring of its tokens; the others keep a store
-    # the decode kernel reads, the sink and W slots allocated at once (cache.OscarCache, kvstore.window_cache).
-    ring = method == "kivi"
-    out += [(quant.layer_bits_per_element(context, 0, 0, sink, recent, window=w, int2=False) if ring else
-             quant.BF16_BITS * (sink + w) / context, w) for i, w in slide.items() if i not in int2_layers]
+    out += [(quant.layer_bits_per_element(context, 0, 0, 0, recent, window=w, int2=False), w)
+            for i, w in slide.items() if i not in int2_layers]
     if kind is not None:
         out = [(b, w) for b, w in out if (w is None) == (kind == "global")]
         if not out:

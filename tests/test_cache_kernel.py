@@ -726,8 +726,8 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
 def test_kernel_reads_beside_sliding_layers(head_dim, window, axis):
     """Gemma 3 (layers 0 and 2 slide, layer 1 global, INT2; its own head_dim, 256, too): inside oscar_attention the
     global layer is written and decoded by the kernels, in a left-padded batch, against each sequence decoded alone
-    through torch writes and reads. Windows of 8 are kept whole in BF16 (window stores with no INT2 rows: the sink
-    and a ring of 8, which the kernels write and read, the sink masked once out of the window); one of 48, over
+    through torch writes and reads. Windows of 8 are kept whole in BF16 (window stores with no INT2 rows and no sink:
+    a ring of 8, which the kernels write and read); one of 48, over
     2·(sink + recent) = 40 but short of
     a tile of INT2 rows beside the ring, holds INT2 in the sliding layers' SideStores, read by torch, and the global
     layer still counts the sequences' tokens; one of 100 is a window's store (64 INT2 rows, 36 BF16 slots), which
@@ -764,7 +764,7 @@ def test_kernel_reads_beside_sliding_layers(head_dim, window, axis):
         every = by_kernel.reads_by_kernel()     # then decode steps build no mask
     if window == 8:
         store = by_kernel.layers[0].store
-        assert store.key_codes.shape[2] == 0 and store.ring_slots == 8 and store.sink_tokens == 4 and every
+        assert store.key_codes.shape[2] == 0 and store.ring_slots == 8 and store.sink_tokens == 0 and every
     elif window == 48:
         assert by_kernel.layers[0].key_store is not None and by_kernel.layers[0].window == window
     else:

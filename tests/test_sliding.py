@@ -216,8 +216,8 @@ def test_bits_per_element_are_the_measured_bytes_per_layer_type(gemma_bundle):
         measured = 16 * cache.nbytes() / cache.bf16_nbytes()
         accounted = methods.bits_per_element(method, 4000, bundle)
         assert abs(measured - accounted) / accounted < 0.03, (method, measured, accounted)  # capacity rounding
-        # Windows of 8 kept in BF16: kivi's a ring of 8 tokens, oscar's a store of the 64 sinks and 8 slots.
+        # Windows of 8 kept in BF16 and no sink: kivi's a ring of 8 tokens, oscar's a store of 8 slots.
         sliding = methods.bits_per_element(method, 4000, bundle, "sliding")
-        assert sliding == (16.0 if method == "kivi" else 16.0 * (64 + 8) / 8)
+        assert sliding == 16.0
         assert 4 < methods.bits_per_element(method, 4000, bundle, "global") < 4.1   # head_dim 16: groups of 16
         assert accounted < 5   # not the sliding layers' 8 tokens counted over the context
