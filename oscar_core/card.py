@@ -12,6 +12,11 @@ from oscar_core.bundle import MANIFEST_FILE, Manifest
 
 LICENSE = {"hf": "apache-2.0", "modelscope": "Apache License 2.0"}
 TAGS = ("kv-cache", "int2", "oscar", "quantization", "rotation")
+PIPELINE_TAG = "text-generation"   # the task of the model the bundle serves
+# The hub's relations are adapter, merge, quantized and finetune. A bundle holds no weights: it is loaded beside the
+# base model's own and changes how that model runs (its KV cache), as an adapter is; "quantized" would list it among
+# quantized copies of the weights.
+BASE_MODEL_RELATION = "adapter"
 DOWNLOAD = {"hf": "hf download {repo} --local-dir {dir}", "modelscope": "modelscope download {repo} --local-dir {dir}"}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
@@ -32,8 +37,19 @@ def code(value) -> str:
     return f"{fence}{pad}{value}{pad}{fence}"
 
 
-def _carries_eigenvalues(manifest: Manifest) -> bool:
-    return manifest.source is not None  # imported bundles carry the files' eigenvalues
+def export_served(manifest: Manifest, eigenvalues: bool | None = None) -> tuple[Manifest, str, list[str]]:
+    """serve_section's arguments for a bundle in our layout: what `oscar upstream export` writes from it by default
+    (per layer, --clips upstream: 0.96 / 0.92, group min(128, head_dim)), and the command that writes it, with
+    --calibration unless the bundle carries its eigenvalues and keeps every layer's keys per token."""
+    per_channel = any(e.key_axis == "channel" for e in manifest.quant.layers or ())
+    carried = manifest.source is not None if eigenvalues is None else eigenvalues
+    export = "oscar upstream export oscar-bundle --out rotations --clips upstream" + (
+        "" if carried and not per_channel else " --calibration CALIBRATION_DIR")
+    group = min(128, manifest.model.head_dim)
+    served = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={
+        "key_group_size": group, "key_clip": 0.96, "value_clip": 0.92}), "source": None})
+    name = export_directory(manifest, group)
+    return served, f"rotations/{name}", [f"{export}   # writes rotations/{name}/ and serve.sh"]
 
 
 def export_directory(manifest: Manifest, group: int) -> str:
@@ -53,7 +69,9 @@ def front_matter(manifest: Manifest, hub: str) -> str:
     """YAML metadata in the hub's convention (JSON scalars are valid YAML, and quote safely)."""
     base = base_model(manifest)
     if hub == "hf":
-        fields = {"license": LICENSE[hub], "library_name": "oscar", "base_model": base, "tags": list(TAGS)}
+        fields = {"license": LICENSE[hub], "library_name": "oscar", "base_model": base,
+                  "base_model_relation": BASE_MODEL_RELATION if base else None, "pipeline_tag": PIPELINE_TAG,
+                  "tags": list(TAGS)}
     else:
         fields = {"license": LICENSE[hub], "tasks": ["text-generation"], "frameworks": ["pytorch"],
                   "base_model": [base] if base else None, "tags": list(TAGS)}
@@ -97,23 +115,36 @@ def _number(x: float) -> str:
 
 def serve_section(manifest: Manifest, files_dir: str, how_to_get: list[str]) -> list[str]:
     """"Serve with SGLang": the environment and command of the method authors' runtime for rotation files in
-    files_dir (upstream layout), after the steps in how_to_get."""
-    from oscar_core.upstream import serve_command, serve_env, shell_lines
+    files_dir (upstream layout; per layer unless the manifest's source says per head), after the steps in
+    how_to_get."""
+    from oscar_core.upstream import FORMAT_VERSIONS, serve_command, serve_env, shell_lines
 
     q = manifest.quant
     clips = {"key": q.key_clip, "value": q.value_clip}
-    env = serve_env(PurePosixPath(files_dir), clips, q.sink_tokens, q.recent_tokens)
+    per_head = manifest.source is not None and manifest.source.grouping == "head"
+    env = serve_env(PurePosixPath(files_dir), clips, q.sink_tokens, q.recent_tokens, absorb=not per_head)
+    loader = ([f"These files hold one rotation per KV head (format version {FORMAT_VERSIONS['head']}): only an SGLang",
+               "tree whose loader takes `[num_kv_heads, d, d]` rotations reads them, not the authors' own loader."]
+              if per_head else [])
     return ["", "## Serve with SGLang", "",
             "The method authors' SGLang tree serves an INT2 KV cache with these rotations (their format: two `.pt`",
-            "files, one clip ratio per side, keys not centred).", "", "```bash", *how_to_get,
+            "files, one clip ratio per side, keys not centred).", *loader, "", "```bash", *how_to_get,
             shell_lines(env, serve_command(manifest.model.id, q.key_group_size)).rstrip(), "```"]
 
 
-def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str, str] | None = None) -> str:
+def vllm_section(manifest: Manifest) -> list[str]:
+    """"Serve with vLLM": empty until oscar's vLLM backend ships (issue 53): its command goes here, and only a
+    command that works."""
+    return []
+
+
+def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str, str] | None = None,
+               eigenvalues: bool | None = None) -> str:
     """The README.md for `repo` on `hub` ('hf' or 'modelscope'): what the bundle is, how it was made, how to use it.
 
     upstream_files (repo path -> sha256): the repo holds the upstream layout (manifest: as `oscar upstream import`
-    reads those files), not the bundle."""
+    reads those files), not the bundle. eigenvalues: whether the bundle carries those of C_Q and C_S (then its
+    upstream export needs no calibration directory); None: an imported bundle does."""
     if hub not in LICENSE:
         raise ValueError(f"unknown hub {hub!r}")
     m, q, r, c = manifest.model, manifest.quant, manifest.rotation, manifest.calibration
@@ -173,6 +204,7 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
             lines += ["", "Not carried by this format: " + "; ".join(map(text, manifest.source.notes)) + "."]
         lines += serve_section(manifest, f"rotations/{files_dir}",
                                [DOWNLOAD[hub].format(repo=repo, dir="rotations"), f"# or: sh rotations/{files_dir}/serve.sh"])
+        lines += vllm_section(manifest)
         lines += ["", "Check them with oscar: `oscar upstream import rotations/" + files_dir + " --out imported`, then",
                   "`oscar verify imported/...` (its INT2 attention error on held-out text).", "",
                   f"Built with {text(manifest.tool.name)} {text(manifest.tool.version)}."]
@@ -192,15 +224,13 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
               "R_K is orthogonal, so q·k = (q·R_K)·(k·R_K): the read path rotates each query once and attends to",
               "the stored keys as they are. R_V can be folded into the value and output projections:",
               "`oscar_core.absorb.absorb_value_rotation(model, bundle)`, then `OscarCache(bundle, values_absorbed=True)`."]
-    export = "oscar upstream export oscar-bundle --out rotations --clips upstream" + (
-        "" if _carries_eigenvalues(manifest) else " --calibration CALIBRATION_DIR")
-    group = min(128, manifest.model.head_dim)
-    served = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={
-        "key_group_size": group, "key_clip": 0.96, "value_clip": 0.92})})
-    name = export_directory(manifest, group)
-    lines += serve_section(served, f"rotations/{name}", [f"{export}   # writes rotations/{name}/ and serve.sh"])
-    lines += ["", "Without `--clips upstream` the export searches one clip per side on the calibration data instead of",
-              "the runtime's defaults; it prints what the format drops (key centring, per-head clips), and",
-              "`oscar upstream import` + `oscar verify oscar-bundle --compare` measure what that costs.",
+    lines += serve_section(*export_served(manifest, eigenvalues))
+    lines += vllm_section(manifest)
+    lines += ["", "The export writes one rotation per layer (C_Q and C_S averaged over the KV heads), the only shape",
+              "every known loader reads, and prints what the format drops (key centring, per-head clips, keys per",
+              "channel). Before writing, it measures the served variant with `oscar verify`'s figures beside the",
+              "bundle's and refuses one that loses to KIVI-style INT2 (`--force` writes it anyway). Without",
+              "`--clips upstream` it searches one clip per side on the calibration data instead of the runtime's",
+              "defaults; `--per-head` keeps the bundle's per-head rotations for loaders that take them.",
               "", f"Built with {text(manifest.tool.name)} {text(manifest.tool.version)}."]
     return "\n".join(lines) + "\n"

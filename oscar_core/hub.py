@@ -101,7 +101,8 @@ def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, pri
     if sha256_bytes(tensor_data) != manifest.tensors.sha256 or Manifest.model_validate_json(manifest_data) != manifest:
         raise OscarError(f"bundle {loaded.path} changed while it was being read")
     figures = manifest.fidelity or recorded_figures(loaded.path)  # the card shows `verify --record` figures
-    card = model_card(manifest.model_copy(update={"fidelity": figures}), hub, repo)
+    card = model_card(manifest.model_copy(update={"fidelity": figures}), hub, repo,
+                      eigenvalues=any(name.endswith("_eigenvalues") for name in loaded.tensors))
     files = (UploadFile(manifest.tensors.file, tensor_data),
              UploadFile(MANIFEST_FILE, manifest_data),
              UploadFile(CARD_FILE, card.encode()))
@@ -133,7 +134,9 @@ def plan_upstream_push(directory: str, hub: str, repo: str, revision: str | None
     prefix = check_name(f"{upstream.model_directory(model.id)}/{path.name}", "upload folder")
     names = (*upstream.FILES.values(), upstream.SERVE_FILE, upstream.RECORD_FILE)
     uploads = [UploadFile(f"{prefix}/{name}", (path / name).read_bytes()) for name in names]
-    card = model_card(manifest, hub, repo, upstream_files={f.path: f.sha256 for f in uploads})
+    served = (record.get("served") or {}).get("served")   # verify's figures for these files, measured by the export
+    card = model_card(manifest.model_copy(update={"fidelity": served}) if served else manifest, hub, repo,
+                      upstream_files={f.path: f.sha256 for f in uploads})
     return Plan(hub, repo, revision, private, manifest, (*uploads, UploadFile(CARD_FILE, card.encode())))
 
 

@@ -84,6 +84,15 @@ def rotation(variant: str, cov: torch.Tensor, group_size: int) -> torch.Tensor:
     return VARIANTS[variant](eigenbasis(cov), min(group_size, cov.shape[-1])).contiguous()
 
 
+def oscar_covariance(r: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """The covariance C [..., d, d] whose "oscar" rotation is r [..., d, d] and whose eigenvalues are lam [..., d]
+    (descending, the order of the eigenbasis's columns), float64: r = U·H·P_br with H and P_br orthogonal, so
+    U = r·P_brᵀ·Hᵀ and C = U·diag(λ)·Uᵀ exactly."""
+    d = r.shape[-1]
+    u = r.double() @ bit_reversal_permutation(d).T.to(r.device) @ hadamard(d).T.to(r.device)
+    return (u * lam.double()[..., None, :]) @ u.mT
+
+
 def orthogonality_error(r: torch.Tensor) -> float:
     """max |R^T R − I| over every matrix in r [..., d, d]."""
     eye = torch.eye(r.shape[-1], dtype=torch.float64, device=r.device)

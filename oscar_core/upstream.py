@@ -3,11 +3,18 @@
 Layout: <root>/<Model>/seq<T>_prompt<N>_group<G>/ (T calibration tokens, N prompts, G the INT2 group size) with
     k_rotation_qqt_r_h_pbr.pt   v_rotation_sst_r_h_pbr.pt
 each a torch.save of a plain dict
-    {"format_version": 1, "objective": "qqt" | "sst", "source_grouping": "layer",
+    {"format_version": 1 | 2, "objective": "qqt" | "sst", "source_grouping": "layer",
      "layers": {layer_id: {"layer_id": int, "rotation": float32 [d, d] | [kv_heads, d, d],
                            "eigenvalues": float32 [d] | [kv_heads, d]}}}
 with global layer ids (a hybrid model keys only its attention layers). A row vector is stored as x·R, as in our
 bundles, so a rotation moves between the formats unchanged; a [d, d] rotation serves every KV head of its layer.
+
+Format version 1 holds one [d, d] rotation per layer: the only shape the authors' loader (load_oscar_rotations in
+their sglang-research tree's mem_cache/memory_pool.py) and the vLLM work-in-progress PR accept, so an export writes
+it by default, from C_Q and C_S averaged over the KV heads. Version 2 holds one [kv_heads, d, d] rotation per KV head
+(the "V2" a newer SGLang tree also reads): written only when asked (per_head); their runtime cannot fold per-head value
+rotations into the weights, so its serve command leaves SGLANG_OSCAR_ABSORB_V_ROTATION off. Import reads both (and the
+per-head files older oscar exports labelled version 1).
 
 What the files do not carry, and what this module does about it:
 - key (and value) means: their runtime does not centre, so the served variant stores k·R_K, not (k − μ_K)·R_K;
@@ -29,7 +36,7 @@ import pickle
 import re
 import shlex
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,9 +47,9 @@ from oscar_core.bundle import (CONTEXTS_REPORTED, MAX_TOKENS, Bundle, Calibratio
                                schema_errors, write_bundle)
 from oscar_core.errors import OscarError, UsageError
 from oscar_core.fileio import atomic_write_dir, canonical_json, path_under, sha256_bytes
-from oscar_core.rotations import eigenvalues, label, orthogonality_error, rotation
+from oscar_core.rotations import eigenvalues, label, orthogonality_error, oscar_covariance, rotation
 
-FORMAT_VERSION = 1
+FORMAT_VERSIONS = {"layer": 1, "head": 2}   # the format version that carries each grouping
 FORMAT_NAME = "upstream RotationZoo (SGLang)"
 FILES = {"key": "k_rotation_qqt_r_h_pbr.pt", "value": "v_rotation_sst_r_h_pbr.pt"}
 OBJECTIVES = {"key": "qqt", "value": "sst"}
@@ -84,12 +91,14 @@ def served_group_size(group_size: int, head_dim: int) -> int:
 # ---------------------------------------------------------------------------------------------------- files
 
 def rotation_file_bytes(side: str, rotations: dict[int, torch.Tensor], eigen: dict[int, torch.Tensor]) -> bytes:
-    """torch.save bytes of one side's file; rotations [d, d] or [kv_heads, d, d], eigenvalues [d] or [kv_heads, d]."""
+    """torch.save bytes of one side's file; rotations [d, d] (format version 1) or [kv_heads, d, d] (version 2),
+    eigenvalues [d] or [kv_heads, d]."""
+    grouping = "layer" if next(iter(rotations.values())).dim() == 2 else "head"
     layers = {int(i): {"layer_id": int(i), "rotation": rotations[i].detach().float().cpu().clone().contiguous(),
                        "eigenvalues": eigen[i].detach().float().cpu().clone().contiguous()}
               for i in sorted(rotations)}
     buffer = io.BytesIO()
-    torch.save({"format_version": FORMAT_VERSION, "objective": OBJECTIVES[side], "source_grouping": "layer",
+    torch.save({"format_version": FORMAT_VERSIONS[grouping], "objective": OBJECTIVES[side], "source_grouping": "layer",
                 "layers": layers}, buffer)
     return buffer.getvalue()
 
@@ -122,14 +131,18 @@ class SideFile:
     rotations: dict[int, torch.Tensor]
     eigenvalues: dict[int, torch.Tensor | None]
     sha256: str
+    format_version: int = 1
 
 
 def validate_side(obj: dict, side: str, path: Path, model: ModelInfo, layers: list[int]) -> dict:
-    """Check one file's dict against the schema and the model; returns (objective, grouping, rotations, eigenvalues)."""
+    """Check one file's dict against the schema and the model: its objective, grouping, rotations, eigenvalues and
+    format_version, as SideFile takes them."""
     kv, d = model.num_kv_heads, model.head_dim
     name = path.name
-    if obj.get("format_version") != FORMAT_VERSION:
-        raise OscarError(f"{name}: format_version {obj.get('format_version')!r} is not supported (only {FORMAT_VERSION})")
+    version = obj.get("format_version")
+    if version not in FORMAT_VERSIONS.values() or isinstance(version, bool):
+        raise OscarError(f"{name}: format_version {version!r} is not supported (only "
+                         f"{' or '.join(map(str, FORMAT_VERSIONS.values()))})")
     objective = obj.get("objective")
     if not isinstance(objective, str) or objective.split("_")[0] != OBJECTIVES[side]:
         raise OscarError(f"{name}: objective {objective!r} is not a {side} objective ({OBJECTIVES[side]!r})")
@@ -168,6 +181,8 @@ def validate_side(obj: dict, side: str, path: Path, model: ModelInfo, layers: li
         eigen[key] = e
     if len(shapes) > 1:
         raise OscarError(f"{name}: mixes per-layer [d, d] and per-head [kv_heads, d, d] rotations")
+    if version == FORMAT_VERSIONS["head"] and shapes != {3}:
+        raise OscarError(f"{name}: format_version {version} holds per-head [kv_heads, d, d] rotations, not [d, d]")
     have, want = sorted(rotations), sorted(layers)
     if have != want:
         missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
@@ -175,7 +190,7 @@ def validate_side(obj: dict, side: str, path: Path, model: ModelInfo, layers: li
                 f"lacks layer {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         raise OscarError(f"{name}: {what}; the model's attention layers are {_ranges(want)}")
     return {"objective": objective, "grouping": "layer" if shapes == {2} else "head", "rotations": rotations,
-            "eigenvalues": eigen}
+            "eigenvalues": eigen, "format_version": version}
 
 
 def _ranges(ids: list[int]) -> str:
@@ -188,14 +203,17 @@ def read_upstream_dir(directory: str | Path, model: ModelInfo, layers: list[int]
     directory = Path(directory)
     if not directory.is_dir():
         raise OscarError(f"upstream rotation directory not found: {directory}")
+    objs = {side: load_rotation_file(directory / file) for side, file in FILES.items()}
+    return side_files(objs, {side: sha256_bytes((directory / file).read_bytes()) for side, file in FILES.items()},
+                      directory, model, layers)
+
+
+def side_files(objs: dict[str, dict], shas: dict[str, str], directory: Path, model: ModelInfo,
+               layers: list[int] | None = None) -> dict[str, SideFile]:
+    """Both sides' loaded dicts (side -> the file's dict, and its sha256) validated against the model."""
     layers = list(range(model.num_layers)) if layers is None else sorted(layers)
-    out = {}
-    for side, file in FILES.items():
-        path = directory / file
-        obj = load_rotation_file(path)
-        v = validate_side(obj, side, path, model, layers)
-        out[side] = SideFile(v["objective"], v["grouping"], v["rotations"], v["eigenvalues"],
-                             sha256_bytes(path.read_bytes()))
+    out = {side: SideFile(**validate_side(objs[side], side, directory / FILES[side], model, layers), sha256=shas[side])
+           for side in FILES}
     if out["key"].grouping != out["value"].grouping:
         raise OscarError(f"{directory}: the key file is per {out['key'].grouping}, the value file per "
                          f"{out['value'].grouping}: both must be the same")
@@ -250,16 +268,24 @@ def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] |
     Keys and values are not centred; one clip ratio per side for every layer and head: the given ones, else those
     an oscar export recorded beside the files (oscar_upstream.json, when its checksums match), else the upstream
     defaults 0.96 / 0.92. The group size: given, else from the directory name; capped at head_dim."""
-    from oscar_core.export import average_bits, bundle_name, check_bundle_name
-
-    from oscar_core.layers import int2_layer_ids, int2_reason, windows
+    from oscar_core.layers import int2_layer_ids
 
     directory = Path(directory)
-    if specs is not None:
-        layers = int2_layer_ids(specs, *served_windows(read_record(directory)))
-    files = read_upstream_dir(directory, model, layers)
-    parsed = parse_directory_name(directory.name)
     record = read_record(directory)
+    if specs is not None:
+        layers = int2_layer_ids(specs, *served_windows(record))
+    files = read_upstream_dir(directory, model, layers)
+    return files_bundle(files, directory, record, model, key_clip, value_clip, group_size, name, version, specs)
+
+
+def files_bundle(files: dict[str, SideFile], directory: Path, record: dict | None, model: ModelInfo,
+                 key_clip: float | None = None, value_clip: float | None = None, group_size: int | None = None,
+                 name: str | None = None, version: str | None = None, specs: list | None = None):
+    """upstream_bundle of validated files (side_files) and the record beside them (read_record, or None)."""
+    from oscar_core.export import average_bits, bundle_name, check_bundle_name
+    from oscar_core.layers import int2_reason, windows
+
+    parsed = parse_directory_name(directory.name)
     if record is not None and record.get("files") != {f: files[s].sha256 for s, f in FILES.items()}:
         record = None  # files changed since the export: its clips no longer describe them
     if group_size is None:
@@ -320,7 +346,7 @@ def upstream_bundle(directory: str | Path, model: ModelInfo, layers: list[int] |
                                         samples=prompts, seq_len=tokens // prompts if prompts else 0, seed=None,
                                         tokens=tokens),
             tensors=TensorFileInfo(sha256="0" * 64, bytes=0),
-            source=SourceInfo(format=FORMAT_NAME, format_version=FORMAT_VERSION, path=str(directory),
+            source=SourceInfo(format=FORMAT_NAME, format_version=files["key"].format_version, path=str(directory),
                               directory=directory.name, files={FILES[s]: f.sha256 for s, f in files.items()},
                               objectives={s: f.objective for s, f in files.items()}, grouping=files["key"].grouping,
                               clips=how, notes=notes),
@@ -341,12 +367,13 @@ class ExportPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def serve_env(directory: Path, clips: dict[str, float], sink: int, recent: int) -> dict[str, str]:
-    """The environment their SGLang tree reads (SPEC §4b), for rotation files in `directory`."""
+def serve_env(directory: Path, clips: dict[str, float], sink: int, recent: int, absorb: bool = True) -> dict[str, str]:
+    """The environment their SGLang tree reads (SPEC §4b), for rotation files in `directory`; absorb: fold R_V into
+    the value projection (their absorb step takes [d, d] rotations only: off for per-head files)."""
     return {"SGLANG_ENABLE_MIXED_KV_WINDOWS": "1",
             ROTATION_ENV["key"]: str(directory / FILES["key"]), ROTATION_ENV["value"]: str(directory / FILES["value"]),
             CLIP_ENV["key"]: f"{clips['key']:g}", CLIP_ENV["value"]: f"{clips['value']:g}",
-            "SGLANG_OSCAR_ABSORB_V_ROTATION": "1",
+            "SGLANG_OSCAR_ABSORB_V_ROTATION": "1" if absorb else "0",
             "SGLANG_MIXED_KV_PREFIX_TOKENS": str(sink), "SGLANG_MIXED_KV_RECENT_TOKENS": str(recent),
             "SGLANG_MIXED_KV_SCALE_DTYPE": "float32"}
 
@@ -363,9 +390,10 @@ def shell_lines(env: dict[str, str], command: list[str]) -> str:
     return "\n".join(lines + [" ".join(shlex.quote(c) for c in command)]) + "\n"
 
 
-def serve_script(model_id: str, group_size: int, clips: dict[str, float], sink: int, recent: int) -> str:
+def serve_script(model_id: str, group_size: int, clips: dict[str, float], sink: int, recent: int,
+                 absorb: bool = True) -> str:
     """serve.sh: the files' own directory, whatever it is moved to; the model path as $1."""
-    env = serve_env(Path("$DIR"), clips, sink, recent)
+    env = serve_env(Path("$DIR"), clips, sink, recent, absorb)
     lines = [f'{k}="{v}" \\' if k in ROTATION_ENV.values() else f"{k}={shlex.quote(v)} \\" for k, v in env.items()]
     command = " ".join(shlex.quote(c) for c in serve_command("MODEL", group_size)).replace("MODEL", '"$MODEL"')
     return "\n".join(["#!/bin/sh", "# Serve these OSCAR rotations with the INT2 KV cache of the method authors' SGLang tree.",
@@ -411,14 +439,21 @@ def _axis_cost(m: Manifest, layers: list[int]) -> str:
 
 def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | Path | None = None,
                 group_size: int = UPSTREAM_GROUP, clips: str = "searched", key_clip: float | None = None,
-                value_clip: float | None = None, per_layer: bool = False) -> ExportPlan:
+                value_clip: float | None = None, per_head: bool = False) -> ExportPlan:
     """A bundle -> the upstream directory's files (nothing written yet).
+
+    Rotations, by default one per layer (format version 1, what every known loader reads): R = U·H·P_br with U the
+    eigenbasis of C̄ = (1/H)·Σ_h C_h, the layer's C_Q (for keys; C_S for values) averaged over its H KV heads, and
+    C̄'s eigenvalues. C_h comes from the calibration statistics when calib_dir is given, else from the bundle's own
+    rotation R_h and eigenvalues λ_h (rotations.oscar_covariance: C_h = U_h·diag(λ_h)·U_hᵀ with
+    U_h = R_h·P_brᵀ·Hᵀ, exact).
+    per_head: the bundle's rotations as they are, one per KV head (format version 2), with its eigenvalues, else
+    the statistics'. A layer whose keys the bundle keeps per channel is served per token, its key rotation from
+    the statistics (needs calib_dir).
 
     clips: "searched" (one ratio per side, on the calibration probe, minimising the mean over layers and heads of
     the relative key-logit / value-output error of the served variant: keys uncentred, group G; needs calib_dir),
-    or "upstream" (0.96 / 0.92); key_clip / value_clip override either. per_layer: one rotation per layer from
-    C_Q (C_S) averaged over the KV heads, as their default files (needs calib_dir). Eigenvalues: the bundle's,
-    else from the calibration statistics."""
+    or "upstream" (0.96 / 0.92); key_clip / value_clip override either."""
     from oscar_core.derive import CLIP_GRID, KEY_CLIP_FLOOR, search_global_clip, uncentred_clip_errors
 
     from oscar_core.verify import load_checked
@@ -431,40 +466,45 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
     g = served_group_size(group_size, m.model.head_dim)
     layers = bundle_layers(m)
     kv, d = m.model.num_kv_heads, m.model.head_dim
+    grouping = "head" if per_head else "layer"
     # The runtime quantizes keys per token: a layer whose keys the bundle keeps per channel is served per token,
     # with the published U_Q·H·P_br from the statistics in place of its own (per-channel) rotation.
     per_channel = [i for i in layers if bundle.key_axis(i) == "channel"]
-    needs_stats = per_layer or bool(per_channel) or (clips == "searched" and None in (key_clip, value_clip)) or any(
-        bundle.layer(i, f"{s}_eigenvalues") is None for i in layers for s in FILES)
-    if needs_stats and calib_dir is None:
-        why = ("--per-layer derives rotations from the statistics" if per_layer else
-               f"layers {_ranges(per_channel)} keep keys per channel, which the runtime cannot serve; their "
+    carried = all(bundle.layer(i, f"{s}_eigenvalues") is not None for i in layers for s in FILES)
+    searched = clips == "searched" and None in (key_clip, value_clip)
+    if (per_channel or searched or not carried) and calib_dir is None:
+        why = (f"layers {_ranges(per_channel)} keep keys per channel, which the runtime cannot serve; their "
                "per-token rotation comes from the statistics" if per_channel else
-               "--clips searched searches the clips on the calibration probe" if clips == "searched" else
+               "--clips searched searches the clips on the calibration probe" if searched else
+               "the bundle carries no eigenvalues of C_Q and C_S, which the per-layer rotations are derived from "
+               "(or --per-head: the bundle's own rotations, format version 2)" if not per_head else
                "the bundle carries no eigenvalues")
         raise OscarError(f"pass --calibration DIR (the calibration {m.name} {m.version} was exported from): {why}"
-                         + ("; or --clips upstream for the upstream defaults" if clips == "searched" and not per_layer else ""))
+                         + ("; or --clips upstream for the upstream defaults" if searched and not per_channel else ""))
     stats = _statistics_for(bundle, calib_dir) if calib_dir is not None else None
-    covariance = {"key": (lambda i: stats.query_covariance(i)), "value": (lambda i: stats.score_weighted_value_covariance(i))}
+    source = "calibration statistics" if stats is not None else "bundle"
+
+    def covariance(side: str, i: int) -> torch.Tensor:   # C_h [kv, d, d] of layer i's side
+        if stats is None:
+            return oscar_covariance(bundle.layer(i, f"{side}_rotation"), bundle.layer(i, f"{side}_eigenvalues"))
+        return stats.query_covariance(i) if side == "key" else stats.score_weighted_value_covariance(i)
 
     rotations, eigen = {"key": {}, "value": {}}, {"key": {}, "value": {}}
-    eigen_source = "bundle"
+    eigen_source = source if not per_head else "bundle"
     for side in FILES:
         for i in layers:
-            if per_layer:
-                cov = covariance[side](i).mean(0)
-                rotations[side][i] = rotation("oscar", cov, g).float()
-                eigen[side][i] = eigenvalues(cov).float()
-                eigen_source = "calibration statistics"
+            if not per_head:
+                cov = covariance(side, i).mean(0)
+                rotations[side][i], eigen[side][i] = rotation("oscar", cov, g).float(), eigenvalues(cov).float()
             elif side == "key" and i in per_channel:
-                rotations[side][i] = rotation("oscar", covariance[side](i), g).float()
-                eigen[side][i] = eigenvalues(covariance[side](i)).float()
+                rotations[side][i] = rotation("oscar", covariance(side, i), g).float()
+                eigen[side][i] = eigenvalues(covariance(side, i)).float()
             else:
                 rotations[side][i] = bundle.layer(i, f"{side}_rotation").float()
-                carried = bundle.layer(i, f"{side}_eigenvalues")
-                if carried is None:
-                    carried, eigen_source = eigenvalues(covariance[side](i)), "calibration statistics"
-                eigen[side][i] = carried.float()
+                kept = bundle.layer(i, f"{side}_eigenvalues")
+                if kept is None:
+                    kept, eigen_source = eigenvalues(covariance(side, i)), "calibration statistics"
+                eigen[side][i] = kept.float()
 
     chosen, how = {}, {}
     for side, given in (("key", key_clip), ("value", value_clip)):
@@ -491,7 +531,7 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
     files = {FILES[s]: rotation_file_bytes(s, rotations[s], eigen[s]) for s in FILES}
     directory = path_under(out_root, f"{model_directory(m.model.id)}/"
                            f"{directory_name(m.calibration.tokens, m.calibration.samples, g)}", "model directory")
-    sink, recent = m.quant.sink_tokens, m.quant.recent_tokens
+    sink, recent, absorb = m.quant.sink_tokens, m.quant.recent_tokens, not per_head
     notes = []
     if m.rotation.key_centering:
         notes.append("key centring dropped: the runtime stores k·R_K, not (k − μ_K)·R_K")
@@ -502,27 +542,54 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
         notes.append(f"group size {g} (the bundle's: keys {m.quant.key_group_size}, values {m.quant.value_group_size})")
     if g != group_size:
         notes.append(f"group size {group_size} capped at head_dim {d}: one group per head")
-    if per_layer:
-        notes.append("one rotation per layer (C_Q, C_S averaged over the KV heads), not the bundle's per-head ones")
+    if per_head:
+        notes.append(f"one rotation per KV head, format version {FORMAT_VERSIONS['head']}: only an SGLang loader that "
+                     "takes [num_kv_heads, d, d] reads it (not the authors' load_oscar_rotations nor the vLLM PR); "
+                     "value rotations not folded into the weights (SGLANG_OSCAR_ABSORB_V_ROTATION=0)")
+    elif kv > 1:
+        notes.append(f"one rotation per layer, the eigenbasis of C_Q (C_S) averaged over the {kv} KV heads (from the "
+                     f"{'calibration statistics' if stats is not None else 'bundle: its rotations and eigenvalues'}),"
+                     " not the bundle's per-head ones")
     if per_channel:
         notes.append(f"keys per channel not served: the runtime quantizes keys per token, so layers "
                      f"{_ranges(per_channel)} are served per token in U_Q·H·P_br" + _axis_cost(m, per_channel))
     notes.append("value rotation: the eigenbasis of our C_S = OᵀO/N in the file their loader calls 'sst'")
-    env = serve_env(directory.resolve(), chosen, sink, recent)
+    env = serve_env(directory.resolve(), chosen, sink, recent, absorb)
     command = serve_command(m.model.id, g)
-    record = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+    record = {"format": FORMAT_NAME, "format_version": FORMAT_VERSIONS[grouping],
               "tool": {"name": "oscar", "version": __version__},
               "source": {"bundle": m.name, "version": m.version, "sha256": m.tensors.sha256},
               "model": m.model.model_dump(mode="json"), "layers": layers,
-              "directory": directory.name, "grouping": "layer" if per_layer else "head",
+              "directory": directory.name, "grouping": grouping,
               "group_size": {"requested": group_size, "served": g},
               "clips": {**chosen, "how": clip_how},
               "eigenvalues": eigen_source,
               "dropped": notes, "files": {name: sha256_bytes(data) for name, data in files.items()},
-              "serve": {"env": serve_env(Path("$DIR"), chosen, sink, recent), "command": serve_command("$MODEL", g)}}
-    files[SERVE_FILE] = serve_script(m.model.id, g, chosen, sink, recent).encode()
+              "serve": {"env": serve_env(Path("$DIR"), chosen, sink, recent, absorb),
+                        "command": serve_command("$MODEL", g)}}
+    files[SERVE_FILE] = serve_script(m.model.id, g, chosen, sink, recent, absorb).encode()
     files[RECORD_FILE] = canonical_json(record).encode()
     return ExportPlan(directory, files, record, env, command, notes)
+
+
+def with_served(plan: ExportPlan, served: dict) -> ExportPlan:
+    """The plan with what its served variant measured (served.summary) in oscar_upstream.json."""
+    record = {**plan.record, "served": served}
+    return replace(plan, record=record, files={**plan.files, RECORD_FILE: canonical_json(record).encode()})
+
+
+def served_bundle(plan: ExportPlan, source: Manifest) -> Bundle:
+    """What the runtime serves from the plan's files, in memory: the bundle `oscar upstream import` reads back once
+    they are written (keys and values uncentred, one clip per side, keys per token, the served group size), for
+    verify to measure."""
+    from oscar_core.layers import manifest_specs
+
+    objs = {s: torch.load(io.BytesIO(plan.files[f]), map_location="cpu", weights_only=True) for s, f in FILES.items()}
+    files = side_files(objs, {s: sha256_bytes(plan.files[f]) for s, f in FILES.items()}, plan.directory,
+                       source.model, plan.record["layers"])
+    manifest, tensors, _ = files_bundle(files, plan.directory, plan.record, source.model, name=source.name,
+                                        specs=manifest_specs(source))
+    return Bundle(path=plan.directory, manifest=manifest, tensors=tensors)
 
 
 def write_export(plan: ExportPlan) -> Path:

@@ -518,7 +518,6 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
     measurements, merging and the gate. Returns the JSON-ready report (report["passed"], report["reason"]); a
     failed bundle or model check, or a request that cannot run, raises OscarError in one line."""
     from oscar_core.bundle import load_bundle
-    from oscar_core.data import load_samples
     from oscar_core.models import load_model, resolve_device
 
     step = on_step or (lambda s: None)
@@ -540,7 +539,19 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
     device = resolve_device(req.device)
     step("loading the model")
     loaded = load_model(resolve_model_spec(req.model, m.model, m.calibration.model_source), device, req.dtype)
-    checks += [check_model(m.model, loaded.info), check_layers(m, loaded.model.config)]
+    return measure_loaded(loaded, device, b, other, req, checks, step)
+
+
+def measure_loaded(loaded, device: str, b: Bundle, other: Bundle | None, req: VerifyRequest, checks: list[Check],
+                   step: Callable[[str], None], compared=COMPARED) -> dict:
+    """run_verify from the model checks on, for bundles already checked (checks) and a model loaded on `device`:
+    what `oscar upstream export` runs on a served variant held in memory. compared: the methods measured beside
+    OSCAR (KIVI-style is what the gate needs)."""
+    from oscar_core.data import load_samples
+
+    m = b.manifest
+    report = {"bundle": str(b.path), "name": m.name, "version": m.version}
+    checks = checks + [check_model(m.model, loaded.info), check_layers(m, loaded.model.config)]
     if other is not None:
         for c in (check_model(other.manifest.model, loaded.info), check_layers(other.manifest, loaded.model.config)):
             checks.append(Check(f"compared: {c.name}", c.ok, c.detail))
@@ -564,7 +575,8 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
     reports = []
     for i in range(ids.shape[0]):
         step(f"measuring sample {i + 1} of {ids.shape[0]} ({seq_len} tokens): per layer, then end to end")
-        reports.append(verify(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda"), compare=other))
+        reports.append(verify(loaded, b, ids[i:i + 1], use_kernels=device.startswith("cuda"), compare=other,
+                              compared=compared))
     report = {**merge_reports(reports), **report}
     needles = DEFAULT_NEEDLES[_kind(device)] if req.needles is None else req.needles
     if needles > 0 and too_short(seq_len, m) is None:

@@ -1,9 +1,14 @@
 """Model cards written from a manifest: hub-specific YAML front matter and a body that tells the bundle's story."""
 
+import shlex
+
 import pytest
 import yaml
+from test_cli import tiny_calibration
 
+from oscar_core import upstream
 from oscar_core.card import model_card
+from oscar_core.export import export_bundle
 from tiny_bundle import tiny_manifest
 
 REPO = "alice/tiny-oscar"
@@ -16,9 +21,17 @@ def split(card: str) -> tuple[dict, str]:
 
 
 def test_hf_front_matter_follows_the_hub_convention():
-    meta, _ = split(model_card(tiny_manifest(), "hf", REPO))
+    from huggingface_hub import ModelCard
+
+    card = model_card(tiny_manifest(), "hf", REPO)
+    meta, _ = split(card)
     assert meta == {"license": "apache-2.0", "library_name": "oscar", "base_model": "oscar-test/tiny-llama",
+                    "base_model_relation": "adapter", "pipeline_tag": "text-generation",
                     "tags": ["kv-cache", "int2", "oscar", "quantization", "rotation"]}
+    data = ModelCard(card).data   # the hub client's own reading of it
+    assert (data.base_model, data.pipeline_tag, data.library_name) == ("oscar-test/tiny-llama", "text-generation",
+                                                                       "oscar")
+    assert data.to_dict()["base_model_relation"] == "adapter"
 
 
 def test_modelscope_front_matter_follows_the_hub_convention():
@@ -33,7 +46,7 @@ def test_modelscope_front_matter_follows_the_hub_convention():
 def test_base_model_is_left_out_when_the_model_is_no_hub_id(model_id):
     for hub in ("hf", "modelscope"):
         meta, body = split(model_card(tiny_manifest(model_id), hub, REPO))
-        assert "base_model" not in meta
+        assert "base_model" not in meta and "base_model_relation" not in meta
         assert f"`{model_id}`" in body
 
 
@@ -76,3 +89,26 @@ def test_card_is_a_pure_function_of_its_inputs():
 def test_unknown_hub_is_refused():
     with pytest.raises(ValueError):
         model_card(tiny_manifest(), "gitlab", REPO)
+
+
+@pytest.mark.parametrize("eigenvalues", [False, True], ids=["plain", "with-eigenvalues"])
+def test_the_cards_export_command_writes_what_its_serve_command_reads(tmp_path, eigenvalues):
+    """Run the export the card prints (its bundle and calibration in place of the placeholders): the files it
+    writes are those the card's SGLang command points at, with the clips, windows and group size it passes."""
+    calib = tiny_calibration(tmp_path / "calib")
+    bundle, manifest = export_bundle(calib, tmp_path / "zoo", with_eigenvalues=eigenvalues)
+    card = model_card(manifest, "hf", REPO, eigenvalues=eigenvalues)
+    block = card.split("## Serve with SGLang")[1].split("```bash\n")[1].split("```")[0]
+    export_line, serve = block.split("\n", 1)
+    args = shlex.split(export_line.split("#")[0])
+    assert args[:4] == ["oscar", "upstream", "export", "oscar-bundle"] and "--per-head" not in args
+    flags = dict(zip(args[4::2], args[5::2]))
+    channel = any(e.key_axis == "channel" for e in manifest.quant.layers or ())
+    assert ("--calibration" in flags) == (not eigenvalues or channel)
+    plan = upstream.plan_export(bundle, tmp_path / flags["--out"], calib if "--calibration" in flags else None,
+                                clips=flags["--clips"])
+    files = str(plan.directory.relative_to(tmp_path))
+    env = {k: v.replace("$DIR", files) for k, v in plan.record["serve"]["env"].items()}
+    assert serve == upstream.shell_lines(env, plan.command)
+    assert plan.record["grouping"] == "layer" and "SGLANG_OSCAR_ABSORB_V_ROTATION=1" in serve
+    assert "vllm" not in card.lower()   # no vLLM command until oscar's backend exists

@@ -337,6 +337,20 @@ def test_upstream_layout_publishes_the_sglang_files_and_a_card_that_serves_them(
     assert len(server.requests()) == sent
 
 
+def test_upstream_card_of_per_head_files_says_which_loaders_read_them_and_what_they_cost(hub, upstream_dir,
+                                                                                         tmp_path):
+    from oscar_core import upstream
+    from oscar_core.hub import plan_push
+
+    plan = upstream.plan_export(tmp_path / "with-eigen", tmp_path / "heads", clips="upstream", per_head=True)
+    served = {"seq_len": 2048, "passed": True, "served": {"kl": 0.0321, "kivi_kl": 0.0456}, "bundle": {"kl": 0.0123}}
+    card = plan_push(str(upstream.write_export(upstream.with_served(plan, served))), hub, REPO, layout="upstream").card
+    assert "SGLANG_OSCAR_ABSORB_V_ROTATION=0" in card and "one rotation per KV head (format version 2)" in card
+    assert "| kl | 0.0321 |" in card and "| kivi_kl | 0.0456 |" in card   # verify's figures for what is served
+    card = plan_push(str(upstream_dir), hub, REPO, layout="upstream").card
+    assert "SGLANG_OSCAR_ABSORB_V_ROTATION=1" in card and "per KV head" not in card
+
+
 def test_oscar_layout_card_says_how_to_serve_with_sglang(hub, bundle):
     from oscar_core.hub import plan_push
 

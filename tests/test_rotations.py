@@ -1,7 +1,7 @@
 import torch
 
-from oscar_core.rotations import (VARIANTS, bit_reversal_permutation, bit_reverse, block_hadamard, eigenbasis, hadamard,
-                                  orthogonality_error, rotation)
+from oscar_core.rotations import (VARIANTS, bit_reversal_permutation, bit_reverse, block_hadamard, eigenbasis,
+                                  eigenvalues, hadamard, orthogonality_error, oscar_covariance, rotation)
 
 
 def test_hadamard_is_orthogonal_with_equal_magnitudes():
@@ -46,3 +46,12 @@ def test_oscar_rotation_is_u_h_pbr():
     cov = a @ a.T
     expected = eigenbasis(cov) @ hadamard(64) @ bit_reversal_permutation(64)
     assert torch.equal(rotation("oscar", cov, 64), expected)
+
+
+def test_oscar_covariance_recovers_the_covariance_from_its_rotation_and_eigenvalues():
+    a = torch.randn(3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cov = a @ a.mT
+    r, lam = rotation("oscar", cov, 8), eigenvalues(cov)
+    assert torch.allclose(oscar_covariance(r, lam), cov, atol=1e-10 * cov.abs().max())
+    back = oscar_covariance(r.float(), lam.float())   # as a bundle stores them
+    assert torch.allclose(rotation("oscar", back, 8), r, atol=1e-5)

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from oscar_core.errors import OscarError
 from oscar_core.export import export_bundle
 from oscar_core.fidelity import capture_attention, key_error, value_error
 from oscar_core.models import attention_layer_ids
+from oscar_core.rotations import orthogonality_error, rotation
 from oscar_core.verify import layer_errors
 
 KV, D = 2, 8
@@ -65,17 +67,21 @@ def test_export_writes_the_schema_and_the_serve_command(exported):
     assert sorted(k["layers"]) == [0, 1] and all(isinstance(i, int) for i in k["layers"])
     entry = k["layers"][1]
     assert entry["layer_id"] == 1 and entry["rotation"].dtype == torch.float32
-    assert torch.equal(entry["rotation"], source.layer(1, "key_rotation"))
+    # One rotation per layer: U·H·P_br of C_Q averaged over the KV heads, and that average's eigenvalues.
     stats, _ = read_statistics(calib, m.model.num_heads)
-    want = torch.linalg.eigvalsh(stats.query_covariance(1)).flip(-1).float()  # C_Q's, descending, per KV head
-    assert entry["eigenvalues"].shape == (2, 16) and torch.allclose(entry["eigenvalues"], want, rtol=1e-5)
+    mean = stats.query_covariance(1).mean(0)
+    assert torch.equal(entry["rotation"], rotation("oscar", mean, 16).float())
+    want = torch.linalg.eigvalsh(mean).flip(-1).float()
+    assert entry["eigenvalues"].shape == (16,) and torch.allclose(entry["eigenvalues"], want, rtol=1e-5)
     serve = (directory / upstream.SERVE_FILE).read_text()
     for needle in ("--kv-cache-dtype int2", "--kv-cache-quant-group-size 16", "SGLANG_ENABLE_MIXED_KV_WINDOWS=1",
                    f"SGLANG_OSCAR_K_CLIP_RATIO={plan.record['clips']['key']:g}", "SGLANG_OSCAR_ABSORB_V_ROTATION=1",
                    'SGLANG_OSCAR_K_ROTATION_PATH="$DIR/k_rotation_qqt_r_h_pbr.pt"', "SGLANG_MIXED_KV_PREFIX_TOKENS=64"):
         assert needle in serve
     record = json.loads((directory / upstream.RECORD_FILE).read_text())
+    assert (record["format_version"], record["grouping"]) == (1, "layer")
     assert any("key centring dropped" in n for n in record["dropped"])
+    assert any("averaged over the 2 KV heads (from the calibration statistics)" in n for n in record["dropped"])
     assert any("capped at head_dim 16" in n for n in record["dropped"])
     assert record["eigenvalues"] == "calibration statistics"
     # Deterministic: the same inputs give the same bytes.
@@ -84,11 +90,15 @@ def test_export_writes_the_schema_and_the_serve_command(exported):
 
 
 def test_round_trip_gives_the_same_rotations_and_the_predicted_errors(exported, tmp_path):
-    calib, bundle, directory, plan = exported
+    calib, bundle, _, _ = exported
     source = load_bundle(bundle)
+    plan = upstream.plan_export(bundle, tmp_path / "rz", calib, per_head=True)
+    directory = upstream.write_export(plan)
+    assert "SGLANG_OSCAR_ABSORB_V_ROTATION=0" in (directory / upstream.SERVE_FILE).read_text()
     out, manifest, files = upstream.import_upstream(directory, tmp_path / "imported", source.manifest.model)
     imported = load_bundle(out)
-    assert manifest.source.grouping == "head" and manifest.rotation.key_centering is False
+    assert manifest.source.grouping == "head" and manifest.source.format_version == 2
+    assert manifest.rotation.key_centering is False
     assert manifest.quant.key_clip == plan.record["clips"]["key"] and "oscar_upstream.json" in manifest.source.clips
     for i in range(2):
         for side in ("key", "value"):
@@ -114,21 +124,24 @@ def test_round_trip_gives_the_same_rotations_and_the_predicted_errors(exported, 
     assert [r["oscar_key"] for r in rows] != [r["oscar_key"] for r in ours]  # centring and per-head clips differ
     # Exported again from the imported bundle (which carries the eigenvalues): the same rotation files.
     again = upstream.plan_export(out, tmp_path / "rz2", clips="upstream", key_clip=clips["key"],
-                                 value_clip=clips["value"], group_size=g)
+                                 value_clip=clips["value"], group_size=g, per_head=True)
     for name in upstream.FILES.values():
         assert again.files[name] == plan.files[name]
 
 
 def test_export_needs_the_calibration_for_what_the_bundle_lacks(exported, tmp_path):
     calib, bundle, directory, plan = exported
-    with pytest.raises(OscarError, match="pass --calibration DIR.*no eigenvalues"):
+    with pytest.raises(OscarError, match="pass --calibration DIR.*no eigenvalues of C_Q and C_S.*or --per-head"):
         upstream.plan_export(bundle, tmp_path / "x", clips="upstream")
+    with pytest.raises(OscarError, match="pass --calibration DIR.*no eigenvalues$"):
+        upstream.plan_export(bundle, tmp_path / "x", clips="upstream", per_head=True)
     with pytest.raises(OscarError, match="pass --calibration DIR.*searches the clips"):
         upstream.plan_export(bundle, tmp_path / "x")
-    per_layer = upstream.plan_export(bundle, tmp_path / "x", calib, per_layer=True, clips="upstream")
-    k = torch.load(io.BytesIO(per_layer.files[upstream.FILES["key"]]), weights_only=True)
-    assert k["layers"][0]["rotation"].shape == (16, 16) and k["layers"][0]["eigenvalues"].shape == (16,)
-    assert per_layer.record["clips"]["key"] == 0.96 and per_layer.record["grouping"] == "layer"
+    per_head = upstream.plan_export(bundle, tmp_path / "x", calib, per_head=True, clips="upstream")
+    k = torch.load(io.BytesIO(per_head.files[upstream.FILES["key"]]), weights_only=True)
+    assert k["format_version"] == 2 and k["layers"][0]["rotation"].shape == (2, 16, 16)
+    assert k["layers"][0]["eigenvalues"].shape == (2, 16)
+    assert per_head.record["clips"]["key"] == 0.96 and per_head.record["grouping"] == "head"
 
 
 def test_per_layer_file_broadcasts_to_every_kv_head(tmp_path):
@@ -254,12 +267,9 @@ def test_cli_refusals_are_one_line(exported, tmp_path, capfd, monkeypatch):
     refused("not found", "import", tmp_path / "nope", "--out", out)
     refused("pass --calibration DIR", "export", bundle, "--out", out)
     refused("power of two", "export", bundle, "--out", out, "--calibration", calib, "--group-size", "12", exit_code=2)
-    code, text = run_cli(capfd, monkeypatch, "upstream", "export", str(bundle), "--out", str(out), "--calibration",
-                         str(calib), "--clips", "upstream")
-    assert code == 0, text
-    assert "--kv-cache-quant-group-size 16" in text and "SGLANG_OSCAR_K_CLIP_RATIO=0.96" in text
-    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == sorted(
-        [*upstream.FILES.values(), upstream.SERVE_FILE, upstream.RECORD_FILE])
+    refused("--per-head and --per-layer exclude each other", "export", bundle, "--out", out, "--calibration", calib,
+            "--per-head", "--per-layer", exit_code=2)
+    assert not out.exists()
 
 
 def test_a_hadamard_bundle_is_not_exported_as_r_h_pbr(exported, tmp_path):
@@ -306,8 +316,130 @@ def test_bundles_exported_with_eigenvalues_need_no_calibration_to_go_upstream(tm
     for name, t in load_bundle(plain).tensors.items():
         assert torch.equal(t, b.tensors[name])
     plan = upstream.plan_export(bundle, tmp_path / "rz", clips="upstream")
-    assert plan.record["eigenvalues"] == "bundle"
+    assert plan.record["eigenvalues"] == "bundle" and plan.record["grouping"] == "layer"
+    # The per-layer rotations derived from the bundle alone (C_h = U_h·diag(λ_h)·U_hᵀ) are those of the statistics.
+    from_stats = upstream.plan_export(bundle, tmp_path / "rz", calib, clips="upstream")
+    for name in upstream.FILES.values():
+        ours, theirs = (torch.load(io.BytesIO(p.files[name]), weights_only=True)["layers"] for p in (plan, from_stats))
+        for i in (0, 1):
+            assert torch.allclose(ours[i]["rotation"], theirs[i]["rotation"], atol=1e-4)
+            assert torch.allclose(ours[i]["eigenvalues"], theirs[i]["eigenvalues"], rtol=1e-4, atol=1e-6)
     bad = dict(b.tensors, **{"layers.0.key_eigenvalues": torch.zeros(16)})
     write_bundle(tmp_path / "bad", b.manifest, bad)
     with pytest.raises(OscarError, match=r"layers.0.key_eigenvalues has shape \(16,\), manifest implies \(2, 16\)"):
         load_bundle(tmp_path / "bad")
+
+
+# What the loaders that read these files check, mirrored here (their code is not copied): the authors'
+# load_oscar_rotations (sglang-research, srt/mem_cache/memory_pool.py), the vLLM work-in-progress PR's rotation
+# loader, and the newer SGLang tree's load_oscar_rotations that also takes per-head ("V2") rotations.
+
+def authors_loader(path, layer_ids: list[int], head_dim: int) -> torch.Tensor:
+    """A dict with "layers"; for each global layer id an entry (int or str key) whose "rotation" is exactly
+    (head_dim, head_dim); the matrices are stacked [layers, d, d] in the model's dtype."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    assert "layers" in state, "missing 'layers' key"
+    mats = []
+    for lid in layer_ids:
+        entry = state["layers"].get(lid, state["layers"].get(str(lid)))
+        assert entry is not None, f"missing layer {lid}"
+        r = entry["rotation"]
+        assert tuple(r.shape) == (head_dim, head_dim), f"layer {lid} shape {tuple(r.shape)}"
+        mats.append(r.to(torch.bfloat16))
+    return torch.stack(mats)
+
+
+def vllm_pr_loader(path, layer_ids: list[int], head_dim: int) -> dict[int, torch.Tensor]:
+    """A dict with "layers" whose every key int() reads and whose entries' "rotation" becomes float32; a layer the
+    file lacks runs unrotated there without an error, so every attention layer must be present; each rotation
+    exactly (head_dim, head_dim)."""
+    obj = torch.load(path, map_location="cpu", weights_only=False)
+    table = {int(k): (e["rotation"] if isinstance(e, dict) else e).float().contiguous()
+             for k, e in obj["layers"].items()}
+    for lid in layer_ids:
+        assert lid in table, f"no rotation for layer {lid}"
+        assert tuple(table[lid].shape) == (head_dim, head_dim), f"layer {lid} shape {tuple(table[lid].shape)}"
+    return table
+
+
+def v2_loader(path, layer_ids: list[int], head_dim: int, kv_heads: int) -> torch.Tensor:
+    """As the authors' loader, and a rotation may also be per head, (num_kv_heads, head_dim, head_dim)."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    mats = []
+    for lid in layer_ids:
+        r = state["layers"].get(lid, state["layers"].get(str(lid)))["rotation"]
+        assert tuple(r.shape) in ((head_dim, head_dim), (kv_heads, head_dim, head_dim)), f"layer {lid} shape"
+        mats.append(r.to(torch.bfloat16))
+    return torch.stack(mats)
+
+
+def serve_env_of(script: str, directory) -> dict[str, str]:
+    """The VAR=value lines of serve.sh, $DIR as the directory it sits in."""
+    lines = [line.rstrip(" \\") for line in script.splitlines() if re.match(r"^[A-Z_]+=", line)]
+    return {k: v.strip('"').replace("$DIR", str(directory)) for k, v in (line.split("=", 1) for line in lines)}
+
+
+def runtime_accepts(env: dict[str, str]) -> None:
+    """Their runtime's configuration checks: both rotation files given, clip ratios in [0, 1], the flags booleans,
+    a known scale dtype; folding R_V into the value projection takes [d, d] value rotations only."""
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] and env["SGLANG_OSCAR_V_ROTATION_PATH"]
+    for side in "KV":
+        assert 0.0 <= float(env[f"SGLANG_OSCAR_{side}_CLIP_RATIO"]) <= 1.0
+    assert env["SGLANG_OSCAR_ABSORB_V_ROTATION"] in ("0", "1") and env["SGLANG_ENABLE_MIXED_KV_WINDOWS"] == "1"
+    assert env["SGLANG_MIXED_KV_SCALE_DTYPE"] in ("float32", "bfloat16", "float16")
+    if env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "1":
+        values = torch.load(env["SGLANG_OSCAR_V_ROTATION_PATH"], weights_only=False)["layers"]
+        assert all(e["rotation"].dim() == 2 for e in values.values()), "per-head value rotations cannot be absorbed"
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["default", "per-head"])
+def test_what_the_export_writes_passes_the_loaders_checks(exported, tmp_path, per_head):
+    calib, bundle, _, _ = exported
+    directory = upstream.write_export(upstream.plan_export(bundle, tmp_path / "rz", calib, per_head=per_head))
+    layers, d, kv = [0, 1], 16, 2
+    assert re.fullmatch(r"seq\d+_prompt\d+_group16", directory.name) and directory.parent.name == "tiny-llama"
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        ["k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt", "serve.sh", "oscar_upstream.json"])
+    for side, objective in (("key", "qqt"), ("value", "sst")):
+        path = directory / upstream.FILES[side]
+        obj = torch.load(path, weights_only=True)   # tensors and plain data: no code runs to read it
+        assert (obj["format_version"], obj["objective"], obj["source_grouping"]) == (2 if per_head else 1, objective,
+                                                                                     "layer")
+        assert sorted(obj["layers"]) == layers
+        for lid, entry in obj["layers"].items():
+            r, e = entry["rotation"], entry["eigenvalues"]
+            assert type(lid) is int and entry["layer_id"] == lid
+            assert r.dtype == e.dtype == torch.float32 and r.is_contiguous() and torch.isfinite(r).all()
+            assert r.shape[:-2] == e.shape[:-1] and orthogonality_error(r) <= 1e-5
+            assert (e[..., :-1] >= e[..., 1:]).all() and (e >= -1e-6 * e.abs().max()).all()  # a covariance's
+        assert v2_loader(path, layers, d, kv).shape == ((2, kv, d, d) if per_head else (2, d, d))
+        if per_head:
+            for loader in (authors_loader, vllm_pr_loader):
+                with pytest.raises(AssertionError, match="shape"):
+                    loader(path, layers, d)
+        else:
+            assert authors_loader(path, layers, d).shape == (2, d, d)
+            assert sorted(vllm_pr_loader(path, layers, d)) == layers
+    env = serve_env_of((directory / upstream.SERVE_FILE).read_text(), directory)
+    runtime_accepts(env)
+    assert env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == ("0" if per_head else "1")
+    assert json.loads((directory / upstream.RECORD_FILE).read_text())["format_version"] == (2 if per_head else 1)
+
+
+def test_a_per_head_file_labelled_version_1_still_imports_and_version_2_must_be_per_head(tmp_path):
+    d = tmp_path / "M" / "seq1_prompt1_group8"
+    write_files(d, {i: (orthogonal(KV, D, D, seed=i), orthogonal(KV, D, D, seed=5 + i)) for i in range(2)})
+    assert upstream.import_upstream(d, tmp_path / "zoo", facts())[1].source.format_version == 1   # older oscar exports
+    for side in upstream.FILES:
+        obj = torch.load(d / upstream.FILES[side], weights_only=True)
+        save(d / upstream.FILES[side], {**obj, "format_version": 2})
+    _, manifest, _ = upstream.import_upstream(d, tmp_path / "zoo2", facts())
+    assert (manifest.source.format_version, manifest.source.grouping) == (2, "head")
+    write_files(d, {i: (orthogonal(D, D), orthogonal(D, D)) for i in range(2)})
+    obj = torch.load(d / upstream.FILES["key"], weights_only=True)
+    save(d / upstream.FILES["key"], {**obj, "format_version": 2})
+    with pytest.raises(OscarError, match="format_version 2 holds per-head"):
+        upstream.import_upstream(d, tmp_path / "zoo3", facts())
+    save(d / upstream.FILES["key"], {**obj, "format_version": 3})
+    with pytest.raises(OscarError, match=r"format_version 3 is not supported \(only 1 or 2\)"):
+        upstream.import_upstream(d, tmp_path / "zoo3", facts())
