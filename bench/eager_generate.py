@@ -3,14 +3,11 @@ model of a real config with random weights (host time does not depend on the wei
 prompts. Arms:
   oscar          OscarCache inside oscar_attention, as a user runs it: each layer's decode step (the token's write
                  and the read) one CUDA graph replay (decode.decode_step), captured on the layer's first steps
-  oscar-split    the write launched directly, then decode_attention replaying a graph of the read alone (what a
-                 step was before decode_step)
-  oscar-direct   every launch direct (no graphs)
   bf16           transformers' DynamicCache
 Per arm, after a warm-up call (Triton compiles there): model.generate of 1, 8 and 40 new tokens, each on a fresh
 cache; the steady step is (t40 − t8) / 32, the first steps' extra (graph captures) t8 − t1 − 7 steps, the prefill
-t1; the arms interleaved, 3 rounds (--rounds), each arm's round with the fastest steady step kept. Then, for the
-oscar and bf16 arms, steps 8-40 of one call (the profilers switched on by a logits processor, so without the
+t1; the arms interleaved, 3 rounds (--rounds), each arm's round with the fastest steady step kept. Then, for each
+arm, steps 8-40 of one call (the profilers switched on by a logits processor, so without the
 prefill and the captures) under cProfile (the host functions with the most time of their own, a step's share of
 each part) and under torch.profiler (the device's busy time a step against the step's, its top kernels); and every
 arm's decode step of one layer alone, looped at fixed buffers (layer_steps), once a round.
@@ -26,7 +23,6 @@ arm's decode step of one layer alone, looped at fixed buffers (layer_steps), onc
 import argparse
 import contextlib
 import cProfile
-import functools
 import io
 import pstats
 import time
@@ -37,12 +33,11 @@ import torch
 from bench.common import wall
 from oscar_core.bundle import load_bundle
 from oscar_core.cache import OscarCache, oscar_attention
-from oscar_core.triton import decode
 
-ARMS = ("oscar", "oscar-split", "oscar-direct", "bf16")
+ARMS = ("oscar", "bf16")
 PROFILE_AFTER = 8      # the steps the profile leaves out (the graphs are captured on the first two)
-PARTS = ("generate", "decode_attention", "decode_step", "_replayed", "_replay", "commit", "append_kv",
-         "leave_blocks", "update", "_grow", "launch_plan", "graph_key", "rotate_query_bf16")
+PARTS = ("generate", "decode_attention", "decode_step", "replay", "_direct", "commit", "append_kv", "leave_blocks",
+         "update", "_grow", "shape_of", "_plan_of", "graph_key", "rotate_query_bf16")
 
 
 # The packaged models' configs (AutoConfig.from_pretrained of their GGUFs) and their zoo bundles.
@@ -197,55 +192,33 @@ def main():
         ids = torch.randint(0, c.vocab_size, (batch, context), generator=gen).cuda()
         caches = {arm: OscarCache(bundle, "oscar", capacity=context + 48) if arm != "bf16" else None for arm in ARMS}
         for arm in ARMS:
-            with patched(arm):
-                timed(model, caches[arm], ids, 8)     # compiles
+            timed(model, caches[arm], ids, 8)     # compiles
         best = {}
         for _ in range(args.rounds):
             for arm in ARMS:
-                with patched(arm):
-                    captures[0] = 0
-                    t = {n: timed(model, caches[arm], ids, n) for n in (1, 8, 40)}
-                    step = (t[40] - t[8]) / 32
-                    row = (step, t[8] - t[1] - 7 * step, t[1], captures[0])
-                    best[arm] = min(best.get(arm, row), row)
+                captures[0] = 0
+                t = {n: timed(model, caches[arm], ids, n) for n in (1, 8, 40)}
+                step = (t[40] - t[8]) / 32
+                row = (step, t[8] - t[1] - 7 * step, t[1], captures[0])
+                best[arm] = min(best.get(arm, row), row)
         for arm in ARMS:
             step, extra, prefill, caps = best[arm]
             print(f"## {context} x {batch} {arm}: steady step {step * 1e3:.2f} ms; first 7 steps' extra "
                   f"{extra * 1e3:.1f} ms; prefill call {prefill:.3f} s; decode graphs captured in the 1-, 8- and "
                   f"40-token calls {caps}", flush=True)
-        for arm in ("oscar", "bf16"):
-            with patched(arm):
-                print(f"### {arm}: cProfile of steps {PROFILE_AFTER}-{args.profile_tokens}", flush=True)
-                print(profile_call(model, caches[arm], ids, args.profile_tokens, PROFILE_AFTER), flush=True)
-                print(f"### {arm}: torch.profiler of steps {PROFILE_AFTER}-{args.profile_tokens}", flush=True)
-                print(device_profile(model, caches[arm], ids, args.profile_tokens, PROFILE_AFTER), flush=True)
+        for arm in ARMS:
+            print(f"### {arm}: cProfile of steps {PROFILE_AFTER}-{args.profile_tokens}", flush=True)
+            print(profile_call(model, caches[arm], ids, args.profile_tokens, PROFILE_AFTER), flush=True)
+            print(f"### {arm}: torch.profiler of steps {PROFILE_AFTER}-{args.profile_tokens}", flush=True)
+            print(device_profile(model, caches[arm], ids, args.profile_tokens, PROFILE_AFTER), flush=True)
         for _ in range(args.rounds):
             for arm in ARMS:
-                with patched(arm):
-                    host, finished = layer_steps(model, caches[arm], ids)
+                host, finished = layer_steps(model, caches[arm], ids)
                 print(f"#### {context} x {batch} {arm}: one layer's decode step alone, {host:.1f} µs of host time, "
                       f"{finished:.1f} µs a step in a loop", flush=True)
         del caches
         torch.cuda.empty_cache()
 
-
-
-@contextlib.contextmanager
-def patched(arm: str):
-    """The module attributes an arm changes, restored after."""
-    saved = decode.decode_attention, decode.decode_step
-    if arm == "oscar-direct":
-        decode.decode_attention = functools.partial(saved[0], graph=False)
-        decode.decode_step = functools.partial(saved[1], graph=False)
-    if arm == "oscar-split":
-        def split(q, keys, values, write_step, cache, *args, **kwargs):
-            write_step(keys, values)
-            return saved[0](q, cache, *args, **kwargs)
-        decode.decode_step = split
-    try:
-        yield
-    finally:
-        decode.decode_attention, decode.decode_step = saved
 
 
 def layer_steps(model, cache, ids, steps: int = 300) -> tuple[float, float]:

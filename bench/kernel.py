@@ -10,6 +10,7 @@ Imports only torch, triton and oscar_core's torch-only modules, so it runs on a 
 """
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -41,6 +42,9 @@ def stage(name: str) -> str:
 
 
 def bench_config(context, batch, layer, gen, bandwidth, variants):
+    """Each variant (name, plan chooser, call, back) at one point: the chooser gives the call's DecodePlan from
+    (q, cache, max_length) (None: the default plan); call defaults to decode.decode_attention, back (the output in
+    original space, for the error) to the identity."""
     keys = torch.randn(batch, KV_HEADS, context, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     values = torch.randn(batch, KV_HEADS, context, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     keys += layer.key_mean[None, :, None].bfloat16()
@@ -63,11 +67,12 @@ def bench_config(context, batch, layer, gen, bandwidth, variants):
                                              layer.value_mean, scaling)
     nbytes = int2_bytes(batch, context)
     for variant in variants:
-        name, kw = variant[:2]
+        name, choose = variant[:2]
         fn = variant[2] if len(variant) > 2 else decode.decode_attention
         back = variant[3] if len(variant) > 3 else (lambda o: o)   # the output in original space, for err
         args = (q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean, scaling)
         try:
+            kw = {} if choose is None else dict(plan=choose(q, cache, context))
             out = torch.full((batch, HEADS, D), float("nan"), device="cuda", dtype=torch.bfloat16)
             fn(*args, max_length=context, out=out, **kw)
             torch.cuda.synchronize()
@@ -111,7 +116,7 @@ def bench_write(gen, bandwidth):
 
 
 # (label, query heads, KV heads, head_dim, key group, value group, lengths): every shape class of a
-# supported model. Batch 1 and 4-8 take the two launch paths of decode.default_config (up to 16 and from 17
+# supported model. Batch 1 and 4-8 take the two settings of plan.program_config (up to 16 and from 17
 # (sequence, KV head) pairs).
 SHAPES = [
     ("Llama-3.2-1B 32/8 d64", 32, 8, 64, 64, 64, [16384]),
@@ -162,7 +167,7 @@ def bench_shapes(gen) -> list:
         kvstore.prefill(cache, keys.transpose(1, 2), values.transpose(1, 2), lens, layer)
         row = dict(label=label, heads=heads, kv_heads=kv_heads, d=d, gk=gk, gv=gv, lengths=lengths)
         try:
-            cfg = decode.default_config(bsz, kv_heads, d)
+            plan = decode.plan_for(q, cache, longest)
             errs = []
             for mean in (layer.value_mean, None):
                 ref = kvstore.decode_attention_reference(q, cache, layer.key_rotation, layer.value_rotation, mean,
@@ -174,8 +179,7 @@ def bench_shapes(gen) -> list:
             run = lambda: decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation,  # noqa: E731
                                                   layer.value_mean, scaling, max_length=longest)
             row.update(err=errs[0], err_nomean=errs[1], gint2=graph_bench(run),
-                       launch="Gluon INT2 + Triton windows" if decode.gluon_supported(q, cache) else "Triton",
-                       cfg=f"n{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}")
+                       launch="Gluon INT2 + Triton windows" if plan.gluon else "Triton", cfg=settings(plan))
             if len(set(lengths)) == 1:
                 q4 = q[:, :, None]
                 row["gsdpa"] = graph_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -209,7 +213,7 @@ def render(rows, sweep, wr, bandwidth, shapes=()) -> str:
         "over the copy bandwidth; 'of floor' = floor time / graph time",
         "- err: max over rows of ‖out − ref‖/‖ref‖ against kvstore.decode_attention_reference (float32)",
         "",
-        "## Decode attention (default launch settings of decode.default_config, PTX unpack)",
+        "## Decode attention (the default plan, plan.choose_plan; PTX unpack)",
         "",
         "| context | batch | SDPA ms eager | INT2 ms eager | speedup eager | SDPA ms graph | INT2 ms graph | "
         "speedup graph | INT2 MB | floor ms | of floor | err |",
@@ -274,16 +278,24 @@ def render(rows, sweep, wr, bandwidth, shapes=()) -> str:
     return "\n".join(lines)
 
 
-def with_stages(stages):
-    """decode_attention with the Gluon INT2 programs' ring of `stages` tiles (decode_gluon.STAGES)."""
-    def run(*args, **kw):
-        from oscar_core.triton import decode_gluon
-        default, decode_gluon.STAGES = decode_gluon.STAGES, stages
-        try:
-            return decode.decode_attention(*args, **kw)
-        finally:
-            decode_gluon.STAGES = default
-    return run
+def settings(plan) -> str:
+    """A plan's program settings in a few words: the Triton programs' tile, warps and stages, or the Gluon programs'
+    heads a program, waves and ring."""
+    if not plan.gluon:
+        return f"n{plan.block_n} w{plan.num_warps} s{plan.num_stages}"
+    return (f"{plan.gluon_heads} heads, waves {plan.waves}" + (f", TMA {plan.tma}" if plan.tma else "")
+            + (", flat" if plan.flat else ""))
+
+
+def pinned(**pins):
+    """A plan chooser: decode.plan_for's plan with these choices pinned (gluon, heads_per_program, flat, pdl)."""
+    return lambda q, cache, max_length: decode.plan_for(q, cache, max_length, **pins)
+
+
+def replaced(pins=None, **fields):
+    """A plan chooser: decode.plan_for's plan (with pins), these fields replaced."""
+    return lambda q, cache, max_length: dataclasses.replace(decode.plan_for(q, cache, max_length, **(pins or {})),
+                                                            **fields)
 
 
 def absorbed_call(q, cache, key_rotation, value_rotation, value_mean, scaling, **kw):
@@ -299,7 +311,7 @@ def absorbed_variant(layer):
         heads = o.reshape(o.shape[0], KV_HEADS, -1, D)
         return (heads @ layer.value_rotation.transpose(1, 2) + layer.value_mean[None, :, None]).reshape(o.shape)
 
-    return ("R_V in the weights (absorbed)", {}, absorbed_call, back)
+    return ("R_V in the weights (absorbed)", None, absorbed_call, back)
 
 
 def main():
@@ -329,7 +341,7 @@ def main():
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = layer_of(KV_HEADS, D, gen)
     shapes = [] if args.no_shapes else bench_shapes(gen)
-    default = [("default", {})]
+    default = [("default", None)]
     extra = {}
     if args.baseline:   # another version of decode.py, timed on the same caches
         import importlib.util
@@ -337,14 +349,13 @@ def main():
         base = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base)
         for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1)):
-            extra[key] = [("baseline", {}, base.decode_attention)]
+            extra[key] = [("baseline", None, base.decode_attention)]
     for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8)):
-        extra.setdefault(key, []).append(("triton INT2", dict(gluon=False)))
+        extra.setdefault(key, []).append(("triton INT2", pinned(gluon=False)))
     for key in ((32768, 1), (8192, 1)):   # where the default keeps the Triton programs
-        extra.setdefault(key, []).append(("gluon", dict(gluon=True)))
+        extra.setdefault(key, []).append(("gluon", pinned(gluon=True)))
     for key in ((100_000, 8), (100_000, 32)):
-        extra[key].append(("gluon, 2-tile cp.async ring", dict(gluon=True), with_stages(2)))
-    extra[(100_000, 1)].append(("fused (1 launch)", dict(fused=True)))
+        extra[key].append(("gluon, loads (no TMA ring)", replaced(dict(gluon=True, flat=False), tma=0)))
     for key in ((100_000, 1), (100_000, 8), (100_000, 32), (32768, 32), (32768, 8), (32768, 1)):
         extra.setdefault(key, []).append(absorbed_variant(layer))
     rows, sweep = [], []
@@ -358,9 +369,10 @@ def main():
         with open(args.out, "w") as f:
             f.write(partial)
     if args.sweep:
-        def variant(bn, warps, stages, waves, key_t):
+        def variant(bn, warps, stages, waves, key_t):     # the Triton programs' settings (plan.program_config)
             return (f"n{bn} w{warps} s{stages} waves{waves}" + (" keyT" if key_t else ""),
-                    dict(block_n=bn, num_warps=warps, num_stages=stages, waves=waves, key_t=key_t))
+                    replaced(dict(gluon=False), block_n=bn, num_warps=warps, num_stages=stages, waves=waves,
+                             key_t=key_t))
         one_warp = [variant(64, 1, st, w, kt) for kt in (False, True) for st in (3, 4) for w in (32, 48, 64)]
         plans = {
             1: [variant(bn, 4, 2, w, True) for bn in (128, 256) for w in (2, 4, 8)]

@@ -24,7 +24,7 @@ import triton
 
 from bench.common import copy_bandwidth, eager_ms, graph_bench, layer_of, rel_err, utc_now
 from oscar_core import kvstore
-from oscar_core.triton import decode
+from oscar_core.triton import decode, plan
 
 SHAPES = [  # label, query heads, KV heads, head_dim, key group (or block), value group, key axis
     ("Qwen3-8B 32/8 d128", 32, 8, 128, 64, 64, "token"),
@@ -75,7 +75,7 @@ def check(shape, gen) -> dict:
     kvstore.prefill(cache, keys.bfloat16(), values.bfloat16(), torch.tensor(RAGGED, device="cuda"), layer)
     q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
     variants = {"default": {}}
-    if decode.gluon_supported(q, cache):
+    if gluon_serves(q, cache):
         variants.update(gluon=dict(gluon=True), triton=dict(gluon=False))
         if heads // kv_heads > 4:
             other = other_heads_per_program(q, cache)
@@ -88,7 +88,7 @@ def check(shape, gen) -> dict:
                                                      d ** -0.5)
             try:
                 out = decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, mean, d ** -0.5,
-                                              **kw)
+                                              decode.plan_for(q, cache, **kw))
                 worst = max(worst, rel_err(out, ref))
             except Exception as e:  # a failing program is a row of the table, not the end of the run
                 worst = f"{type(e).__name__}: {str(e)[:160]}"
@@ -97,9 +97,14 @@ def check(shape, gen) -> dict:
     return errs
 
 
+def gluon_serves(q, cache) -> bool:
+    """Whether the Gluon INT2 programs can take this call's INT2 rows (plan.gluon_problem)."""
+    return plan.gluon_problem(decode.shape_of(q, cache), decode.device_of(q, cache)) is None
+
+
 def other_heads_per_program(q, cache) -> int:
     """The query heads a Gluon program the default does not choose (4 or 8)."""
-    return 4 if decode.launch_plan(q, cache, gluon=True).gluon_consts["R4"] == 8 else 8
+    return 4 if decode.plan_for(q, cache, gluon=True).gluon_heads == 8 else 8
 
 
 def random_store(bsz, kv_heads, d, context, gk, gv, axis, gen) -> kvstore.Int2KVCache:
@@ -130,16 +135,17 @@ def time_size(shape, context, bsz, bandwidth, gen) -> dict:
     cache = random_store(bsz, kv_heads, d, context, gk, gv, axis, gen)
     q = torch.randn(bsz, heads, d, generator=gen, device="cuda").bfloat16()
     out = torch.empty_like(q)
-    gluon = decode.launch_plan(q, cache, max_length=context).gluon
+    gluon = decode.plan_for(q, cache, context).gluon
     row = dict(shape=label, context=context, batch=bsz, program="Gluon INT2 + Triton windows" if gluon else "Triton")
 
-    def int2(**kw):
+    def int2(**pins):
+        chosen = decode.plan_for(q, cache, context, **pins) if pins else None
         return lambda: decode.decode_attention(q, cache, layer.key_rotation, layer.value_rotation, layer.value_mean,
-                                               d ** -0.5, max_length=context, out=out, **kw)
+                                               d ** -0.5, chosen, max_length=context, out=out)
 
     nbytes = floor_bytes(shape, context, bsz)
     row.update(floor=nbytes / bandwidth * 1e3, int2_graph=graph_bench(int2()), int2_eager=eager_ms(int2()))
-    if decode.gluon_supported(q, cache) and heads // kv_heads > 4:
+    if gluon_serves(q, cache) and heads // kv_heads > 4:
         other = other_heads_per_program(q, cache)
         row["other_heads"] = other
         row["int2_graph_other_heads"] = graph_bench(int2(gluon=True, heads_per_program=other))

@@ -691,15 +691,11 @@ def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_
     if problem is not None:
         return problem
     try:
-        from oscar_core.triton.decode import check_shape
+        from oscar_core.triton.decode import shape_problem
     except ImportError:
         return "triton is not installed"
-    try:
-        check_shape(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size,
-                    lm.key.axis)
-    except ValueError as e:
-        return str(e)
-    return None
+    return shape_problem(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size,
+                         lm.key.axis)
 
 
 def store_problem(lm: methods.LayerMethod, method: str | None = None) -> str | None:

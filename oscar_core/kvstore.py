@@ -31,7 +31,7 @@ SINK_TOKENS = 64
 RECENT_TOKENS = 256
 VALUE_LAYOUTS = ("rows", "tiles")
 # Tiles: the Gluon decode programs load a lane's value words 16 bytes at a time, faster on every shape class (H100,
-# 100K x 8, graph: 0-12%, bench/results/shapes.md against kernel_notes.md v19), the same bytes and outputs.
+# 100K x 8, graph: 0-12%; docs/kernels.md), the same bytes and outputs.
 DEFAULT_VALUE_LAYOUT = "tiles"
 
 

@@ -3,6 +3,7 @@ the torch reference; the write kernels against kvstore's reference.
 
 Run on the CPU through Triton's interpreter (see tests/test_triton_kernels.py for the import dance)."""
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -19,12 +20,14 @@ triton = pytest.importorskip("triton")
 from oscar_core import kvstore, quant  # noqa: E402
 from oscar_core.cache import OscarCache, oscar_attention  # noqa: E402
 from oscar_core.errors import OscarError  # noqa: E402
-from oscar_core.triton import decode, write  # noqa: E402
+from oscar_core.triton import decode, decode_programs, write  # noqa: E402
 
-if not torch.cuda.is_available() and not isinstance(decode._split_kernel, triton.runtime.interpreter.InterpretedFunction):
-    importlib.reload(sys.modules["oscar_core.triton.decode"])
 if not torch.cuda.is_available() and not isinstance(write._append_kernel, triton.runtime.interpreter.InterpretedFunction):
     write = importlib.reload(sys.modules["oscar_core.triton.write"])
+if not torch.cuda.is_available() and not isinstance(decode_programs._split_kernel,
+                                                    triton.runtime.interpreter.InterpretedFunction):
+    decode_programs = importlib.reload(sys.modules["oscar_core.triton.decode_programs"])
+    decode = importlib.reload(sys.modules["oscar_core.triton.decode"])
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 64
@@ -139,9 +142,10 @@ def test_kernel_reads_an_absorbed_model():
     cache = make_cache("oscar", bundle, True, values_absorbed=True)
     with oscar_attention(model, cache):
         got = decode_logits(model, cache, ids, steps=4)
-    plan = decode.launch_plan(torch.zeros(2, HEADS, HEAD_DIM, device=DEVICE), cache.layers[0].store,
-                              rotate_values=False)
-    assert cache.layers[0].value_identity and not plan.reduce_consts["ROTATE"]
+    q, store = torch.zeros(2, HEADS, HEAD_DIM, device=DEVICE), cache.layers[0].store
+    run = decode.launches(decode.shape_of(q, store), decode.plan_for(q, store), decode.device_of(q, store),
+                          rotate_values=False)
+    assert cache.layers[0].value_identity and not run.reduce_consts["ROTATE"]
     for a, b, bound in ((got, torch_reads, 3e-2), (torch_reads, want, 1e-3)):
         err = (a - b).norm(dim=-1) / b.norm(dim=-1)
         assert err.max() < bound, err
@@ -323,7 +327,7 @@ def test_decode_steps_at_fixed_addresses_replay_the_write_with_the_read(axis, mo
         twin._write_step(tk, tv)
         r = twin.rotation
         want = decode.decode_attention(q, twin.store, r.key_rotation, r.value_rotation, r.value_mean,
-                                       HEAD_DIM ** -0.5, caches[1].sequences.max_length(), graph=False)
+                                       HEAD_DIM ** -0.5, max_length=caches[1].sequences.max_length(), graph=False)
         assert torch.equal(got, want), step
         del got, want   # as a model drops them: the next step's output lands where this one was
     assert steps_replayed >= 55         # 64 steps at the fixed addresses, less the first two of each run
@@ -557,7 +561,8 @@ def test_window_store_kernels_match_reference(axis):
     want = kvstore.decode_attention_reference(*args)
     if axis == "channel":      # the reference skips expired rows of the oldest block held
         assert [got.first_live(n, (n - 62) // 64 * 64) % 64 for n in got.lengths.tolist()] != [0, 0, 0]
-    err = (decode.decode_attention(*args, block_n=32) - want).norm(dim=-1) / want.norm(dim=-1)
+    plan = dataclasses.replace(decode.plan_for(q, got), block_n=32)
+    err = (decode.decode_attention(*args, plan) - want).norm(dim=-1) / want.norm(dim=-1)
     assert err.max() < 2e-2, err
 
 
@@ -696,8 +701,8 @@ def test_mixed_bundle_kernel_reads_match_torch_reads():
 
 
 def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
-    """Key blocks of 32 tokens: the decode kernel refuses them (one ValueError from check_shape, before any
-    launch), so the layer reads in torch with one warning; its Triton writes still match the torch ones."""
+    """Key blocks of 32 tokens: the decode kernel refuses them (plan.shape_problem, the one place that decides,
+    before any launch), so the layer reads in torch with one warning; its Triton writes still match the torch ones."""
     from oscar_core import methods
     from oscar_core.cache import kernel_problem
 

@@ -2,8 +2,8 @@
 no GPU needed. Triton 3.6 (the GPU image's) rewrote a sum of broadcast products over 16 head rows
 (`tl.sum(x[:, :, None] * y[None, :, :], axis=1)`) as a TF32 tensor-core dot: the reduce's õ·R_V^T then kept about
 11 mantissa bits, and at 16 query heads a KV head decode_attention's output moved 2-9% from the reference where
-the output is a small difference of large terms (kernel_notes.md v24). Later tritons make that dot IEEE; the test
-fails on triton 3.6 against the old code.
+the output is a small difference of large terms. Later tritons make that dot IEEE; the test fails on triton 3.6
+against the old code.
 
 Each compile runs in a process of its own without TRITON_INTERPRET (test_decode_gluon.py says why)."""
 
@@ -25,10 +25,10 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from oscar_core.triton import decode
+from oscar_core.triton import decode_programs
 
 name, const, types, warps = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
-fn = getattr(decode, name)
+fn = getattr(decode_programs, name)
 ptrs = dict(dict(q_ptr="*bf16", rk_ptr="*fp32", out_ptr="*bf16", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32",
                  py_ptr="*fp32", cnt_ptr="*i32", rv_ptr="*fp32", mean_ptr="*fp32"), **types)
 sig = {a: ptrs.get(a, "i32") for a in fn.arg_names if a not in const}
@@ -71,32 +71,30 @@ def test_float32_products_stay_off_tf32(name, const):
     assert not [m for m in found["mma"] if "tf32" in m], found["mma"][:2]
 
 
-def test_fused_merge_rotates_in_float32():
-    """The fused option's merge (the last program of a sequence and KV head) takes õ·R_V^T in float32 too."""
-    const = dict(HKV=8, HG=4, D=128, GK=64, GV=64, S=64, W=256, HGP=4, QP=16, NW=5, BLOCK_N=64, BLOCK_W=64, SB=8,
-                 BLOCK_E=16, KEY_T=True, USE_ASM=True, ROTATE=True, MERGE=True, HAS_MEAN=True, F32=False, TB=1, R=1,
-                 VT=True, PDL=False, HOLE=False, SLIDE=False)
-    types = dict(q_ptr="*fp32", ks_ptr="*bf16", vs_ptr="*bf16", kr_ptr="*bf16", vr_ptr="*bf16", kc_ptr="*u8",
-                 ksc_ptr="*u8", kz_ptr="*i8", vc_ptr="*u8", vsc_ptr="*u8", vz_ptr="*i8", len_ptr="*i32",
-                 scale_log2="fp32", log2_scale="fp32")
-    dots = compiled_dots("_split_kernel", const, types)["dots"]
-    f32 = [d for d in dots if "tensor<16x128xf32> * tensor<128x16xf32>" in d]
-    assert f32 and not [d for d in f32 if "tf32" in d], dots
-
-
 SPLIT_TYPES = dict(ks_ptr="*bf16", vs_ptr="*bf16", kr_ptr="*bf16", vr_ptr="*bf16", kc_ptr="*u8", ksc_ptr="*u8",
                    kz_ptr="*i8", vc_ptr="*u8", vsc_ptr="*u8", vz_ptr="*i8", len_ptr="*i32", scale_log2="fp32",
                    log2_scale="fp32")
 
 
+def test_int2_products_are_bf16():
+    """The Triton INT2 programs' products (the raw codes against the query operands, the weights against the value
+    codes) and the window programs' are bf16 tensor-core products with float32 sums: every dot of the split programs
+    compiled for sm_90 takes two bf16 operands, none float32."""
+    const = dict(HKV=8, HG=4, D=128, GK=64, GV=64, S=64, W=256, HGP=4, QP=16, NW=5, BLOCK_N=64, BLOCK_W=64,
+                 KEY_T=True, USE_ASM=True, F32=False, TB=1, R=1, VT=True, PDL=False, HOLE=False, SLIDE=False)
+    found = compiled_dots("_split_kernel", const, SPLIT_TYPES, num_warps=1)
+    operands = [d.split(" : ")[-1].split("->")[0] for d in found["dots"]]
+    assert len(operands) >= 10 and all(o.count("xbf16>") == 2 for o in operands), operands
+
+
 @pytest.mark.parametrize("d,hg,warps", [(64, 7, 8), (128, 4, 8), (128, 8, 4), (256, 2, 8), (256, 4, 4)])
 def test_window_programs_compile_with_more_warps(d, hg, warps):
-    """Beside the Gluon programs the window programs run with 4 or 8 warps (decode._plan): they compile for sm_90 at
-    every head_dim, their bf16 products on the tensor cores."""
+    """Beside the Gluon programs the window programs run with 4 or 8 warps (plan.window_warps): they compile for
+    sm_90 at every head_dim, their bf16 products on the tensor cores."""
     hgp = 1 << (hg - 1).bit_length()
     const = dict(HKV=2, HG=hg, D=d, GK=64, GV=64, S=64, W=256, HGP=hgp, QP=max(16, hgp), NW=5, BLOCK_N=64,
-                 BLOCK_W=64, SB=8, BLOCK_E=16, KEY_T=True, USE_ASM=True, ROTATE=False, MERGE=False, HAS_MEAN=True,
-                 F32=False, TB=1, R=1, VT=True, PDL=False, HOLE=False, SLIDE=False)
+                 BLOCK_W=64, KEY_T=True, USE_ASM=True, F32=False, TB=1, R=1, VT=True, PDL=False, HOLE=False,
+                 SLIDE=False)
     found = compiled_dots("_split_kernel", const, SPLIT_TYPES, num_warps=warps)
     assert [m for m in found["mma"] if "bf16" in m]
 

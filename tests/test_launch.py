@@ -64,8 +64,8 @@ def test_interpreted_kernels_run_through_the_jit_every_call():
 
 
 def test_every_caller_shares_one_cached_kernel_a_function():
-    from oscar_core.triton import decode, launch, write
+    from oscar_core.triton import decode, decode_programs, launch, write
 
     assert launch.cached(_scale) is launch.cached(_scale)
-    assert decode._launch(write._append_kernel) is launch.cached(write._append_kernel)
+    assert decode.cached is launch.cached and decode_programs.cached is launch.cached and write.cached is launch.cached
     assert launch.cached(write._append_kernel) is not launch.cached(write._leave_kernel)

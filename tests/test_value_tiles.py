@@ -3,6 +3,7 @@ reader of the store (the torch reference, the Triton write and decode kernels th
 Gluon programs on a GPU) giving what it gives with the row layout."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 # The kernel modules as test_triton_kernels prepares them (through Triton's interpreter where there is no GPU).
-from test_triton_kernels import DEVICE, decode, write  # noqa: E402
+from test_triton_kernels import DEVICE, decode, variant, write  # noqa: E402
 
 from oscar_core import kvstore  # noqa: E402
 
@@ -122,7 +123,7 @@ def test_triton_writes_and_reads_tiles_as_rows(axis):
     assert_same_store(tiles, rows)
     q = torch.randn(2, 4 * heads, d, generator=gen).to(DEVICE)
     outs = [decode.decode_attention(q, c, on["key_rotation"], on["value_rotation"], on["value_mean"], d ** -0.5,
-                                    block_n=32) for c in stores]
+                                    variant(q, c, block_n=32)) for c in stores]
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
 
@@ -133,12 +134,12 @@ def test_triton_writes_and_reads_tiles_as_rows(axis):
     (128, 32, 2, 128, "token"), (64, 14, 2, 64, "channel"), (64, 8, 2, 64, "token"), (256, 4, 1, 64, "token"),
     (256, 8, 2, 64, "channel"), (256, 4, 2, 128, "token"),
 ])
-def test_gluon_programs_read_tiles_as_rows(monkeypatch, d, heads, kv_heads, group, axis):
+def test_gluon_programs_read_tiles_as_rows(d, heads, kv_heads, group, axis):
     """The Gluon programs over a store of each layout (the same content, prefilled by the reference): within 1e-2 of
     the reference, and the same outputs bit for bit when the rows are read by the tile program's settings but its
     layout (the default settings of the two layouts may differ in where they mask, whether they load keys a tile
-    ahead and which tiles a split takes, which can move a last bit: decode.mask_every_tile, decode.keys_ahead,
-    decode.strided_tiles)."""
+    ahead and which tiles a split takes, which can move a last bit: plan.mask_every_tile, plan.keys_ahead,
+    plan.strided_tiles)."""
     gen = torch.Generator().manual_seed(d + heads)
     lengths = [1500, 321, 64]
     layer = layer_of(gen, kv_heads, d)
@@ -154,25 +155,19 @@ def test_gluon_programs_read_tiles_as_rows(monkeypatch, d, heads, kv_heads, grou
                                              d ** -0.5)
     on = on_device(layer)
 
-    def run(cache):
+    def run(cache, plan):
         return decode.decode_attention(q.cuda(), cache, on["key_rotation"], on["value_rotation"], on["value_mean"],
-                                       d ** -0.5, gluon=True, graph=False)
+                                       d ** -0.5, plan, graph=False)
 
-    outs = [run(c) for c in stores]
-    assert decode.launch_plan(q.cuda(), stores[1], gluon=True).gluon_consts["VT"]
+    plans = [decode.plan_for(q.cuda(), c, gluon=True) for c in stores]
+    outs = [run(c, p) for c, p in zip(stores, plans)]
+    assert decode.shape_of(q.cuda(), stores[1]).value_tiles and not decode.shape_of(q.cuda(), stores[0]).value_tiles
     for out in outs:
         err = (out.cpu().float() - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert err.max() < 1e-2, err
-    default = decode.gluon_constexprs
-
-    def tile_settings(cache, *args, **kw):
-        tiles = default(stores[1], *args, **kw)
-        return dict(default(cache, *args, **kw), MASK_ALL=tiles["MASK_ALL"], KEYS_AHEAD=tiles["KEYS_AHEAD"],
-                    STRIDED=tiles["STRIDED"])
-
-    monkeypatch.setattr(decode, "gluon_constexprs", tile_settings)
-    monkeypatch.setattr(decode, "_PLANS", {})
-    assert torch.equal(run(stores[0]), outs[1])
+    tiles = plans[1]
+    rows = dataclasses.replace(plans[0], mask_all=tiles.mask_all, keys_ahead=tiles.keys_ahead, strided=tiles.strided)
+    assert torch.equal(run(stores[0], rows), outs[1])
 
 
 @pytest.mark.parametrize("kernel", [False, True])

@@ -3,8 +3,8 @@
 One warp per program, mma.sync m16n8k16 (bf16 in, float32 out), a 64-token tile per step, head_dim 64, 128
 or 256, groups of 64 or 128 channels, keys per token or per channel over blocks of 64 or 128 tokens, R4 = 4, 8
 or 16 query heads a program (up to 16 per KV head, over one or several programs; 4 at head_dim 256, which reads
-channels 128-255 exactly as it reads 0-127). It replaces the INT2 programs of decode._split_kernel (same partial
-outputs po, pm, pl, merged by decode._reduce_kernel).
+channels 128-255 exactly as it reads 0-127). It replaces the INT2 programs of decode_programs._split_kernel
+(same partial outputs po, pm, pl, merged by decode_programs._reduce_kernel); gluon_tiles.py gets each tile's bytes.
 
 The store's layout already is the operands' layout. quant.pack_int2 puts channel 4j + i of a token in
 byte j, bits 2i; within a 64-channel block read as 32-bit words, position 8a + i (word a // 2, half
@@ -35,43 +35,15 @@ same bf16 weights w = p·step).
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-# Names that differ between triton 3.6 (the GPU image) and later releases.
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+from oscar_core.triton.gluon_tiles import (block_codes, issue_tma, key_operand, load_block, load_keys, load_tile,
+                                           load_values, prefetch_tile, read_tma, ring_meta, tile_meta, tile_meta4,
+                                           value_operand)
+
+# A name that differs between triton 3.6 (the GPU image) and later releases.
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-_UNPACK_TEXT = """{
-.reg .b32 w, s6, s12;
-mov.b32 w, $8;
-shr.b32 s6, w, 6;
-shr.b32 s12, w, 12;
-lop3.b32 $0, w, 0x00030003, 0x43004300, 0xEA;
-lop3.b32 $1, w, 0x000c000c, 0x43004300, 0xEA;
-lop3.b32 $2, w, 0x00300030, 0x43004300, 0xEA;
-lop3.b32 $3, s6, 0x00030003, 0x43004300, 0xEA;
-lop3.b32 $4, s6, 0x000c000c, 0x43004300, 0xEA;
-lop3.b32 $5, s6, 0x00300030, 0x43004300, 0xEA;
-lop3.b32 $6, s12, 0x00030003, 0x43004300, 0xEA;
-lop3.b32 $7, s12, 0x000c000c, 0x43004300, 0xEA;
-}"""
-_UNPACK = gl.constexpr(_UNPACK_TEXT)
-
-# Tiles in the shared-memory ring: each program copies tile n + STAGES − 1 (cp.async) while it computes
-# tile n, so the loads' latency hides behind the products without holding registers; 0 loads each tile
-# straight into registers when it is needed. Read by decode.decode_attention at each launch.
-STAGES = 0
-
-
-@gluon.jit
-def _unpack_words(words, L3: gl.constexpr):
-    """int32 words [..., 1] (layout L3, 16 slots per thread) -> bf16 [..., 16]: slot 2i + e is the code
-    at bits 2i of half e, as 128 + 4^ρ(i)·code."""
-    w = gl.broadcast(words, gl.zeros([words.shape[0], words.shape[1], 16], gl.int32, L3))[0]
-    return gl.inline_asm_elementwise(_UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 16, [w], dtype=gl.bfloat16,
-                                     is_pure=True, pack=16)
 
 
 _BF16_PAIR = gl.constexpr("{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; mov.b32 {$0, $1}, t; }")
@@ -83,192 +55,6 @@ def _bf16_pair(a, b):
     both (F2FP, where one at a time is F2F, on the quarter-rate pipe that the exp2s load)."""
     return gl.inline_asm_elementwise(_BF16_PAIR, "=h,=h,r,r", [a, b], dtype=(gl.bfloat16, gl.bfloat16),
                                      is_pure=True, pack=1)
-
-
-@gluon.jit
-def _pair(lo, hi):
-    """Two int16 halves -> one int32 word, lo in bits 0-15."""
-    return (lo.to(gl.int32) & 0xFFFF) | (hi.to(gl.int32) << 16)
-
-
-@gluon.jit
-def _load_meta(ptr, t0, NG: gl.constexpr):
-    """Scale or zero codes (bytes [T, NG]) of tokens t0 .. t0 + 63 as int32 words [8, 2·NG]: row g holds the
-    bytes of tokens 8g .. 8g + 7 (NG = 2: token-major, both groups; NG = 1, groups of 128 channels: one byte a
-    token), one 16-byte (8-byte) load a thread."""
-    MW: gl.constexpr = gl.BlockedLayout([1, 2 * NG], [8, 4], [1, 1], [1, 0])
-    g = gl.arange(0, 8, layout=gl.SliceLayout(1, MW))
-    j = gl.arange(0, 2 * NG, layout=gl.SliceLayout(0, MW))
-    wp = ptr.to(gl.pointer_type(gl.int32)) + gl.multiple_of(t0, 64) * NG // 4
-    return gl.load(wp + (2 * NG * g)[:, None] + j[None, :])
-
-
-@gluon.jit
-def _tile_meta(w, RL: gl.constexpr, SIGNED: gl.constexpr):
-    """_load_meta's words (or the ring's, the same) as float32 2^23 + b per group, b the code
-    unsigned (signed codes plus 128), in row order m (row m holds token 8·(m mod 8) + m div 8). One prmt a
-    byte (_byte_floats) where a conversion would take the special-function unit's quarter-rate pipe, which
-    the exp2s already load; callers take the 2^23 off in the arithmetic that follows."""
-    x = _byte_floats(w, SIGNED)
-    if w.shape[1] == 2:
-        # One code a token (groups of 128): both halves of the head read it.
-        x = gl.reshape(gl.join(x, x), [8, 16])
-    x0, x1 = gl.split(gl.reshape(x, [8, 8, 2]))
-    return _meta_rows(x0, RL), _meta_rows(x1, RL)
-
-
-@gluon.jit
-def _meta_rows(x, RL: gl.constexpr):
-    """[g, j] (token 8g + j) -> [64] in row order m (token 8·(m mod 8) + m div 8), layout RL: register-only."""
-    return gl.convert_layout(gl.reshape(gl.permute(x, [1, 0]), [64]), RL, assert_trivial=True)
-
-
-@gluon.jit
-def _tile_meta4(w, RL: gl.constexpr, SIGNED: gl.constexpr):
-    """Head_dim 256: _load_meta's words as _tile_meta's floats, one [64] a 64-channel block (4). With groups
-    of 128 channels (two codes a token) blocks 0, 1 are the same tensor, and 2, 3."""
-    x = _byte_floats(w, SIGNED)
-    if w.shape[1] == 8:
-        # Byte 4j + g of row g' is group g = 2·hi + lo of token 8g' + j: split lo, then hi.
-        lo0, lo1 = gl.split(gl.reshape(x, [8, 8, 2, 2]))
-        x0, x2 = gl.split(lo0)
-        x1, x3 = gl.split(lo1)
-        return _meta_rows(x0, RL), _meta_rows(x1, RL), _meta_rows(x2, RL), _meta_rows(x3, RL)
-    else:
-        x0, x1 = gl.split(gl.reshape(x, [8, 8, 2]))
-        x0 = _meta_rows(x0, RL)
-        x1 = _meta_rows(x1, RL)
-        return x0, x0, x1, x1
-
-
-@gluon.jit
-def _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW: gl.constexpr, NGK: gl.constexpr,
-               NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr, VT: gl.constexpr, VS: gl.constexpr):
-    """Every byte of tile t0: _load_keys's words and _load_values's halves and metadata."""
-    return _load_keys(kw, t0, koff, KW, D) + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D, VT, VS)
-
-
-@gluon.jit
-def _load_keys(kw, t0, koff, KW: gl.constexpr, D: gl.constexpr):
-    """Tile t0's key words 2t and 2t + 1 of each row (one 8-byte load; at head_dim 64 word t, and the second
-    product's registers repeat the first's); at head_dim 256 the upper half's words 8 + 2t and 9 + 2t as the
-    lower's (otherwise kw2, kw3 repeat kw0, kw1)."""
-    if D >= 128:
-        kw0, kw1 = gl.split(gl.load(kw + t0 * (D // 16) + koff))
-        kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
-        kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
-    else:
-        kw0 = gl.load(kw + t0 * 4 + koff)
-        kw1 = kw0
-    if D == 256:
-        kw2, kw3 = gl.split(gl.load(kw + t0 * 16 + koff + 8))
-        kw2 = gl.convert_layout(kw2, KW, assert_trivial=True)
-        kw3 = gl.convert_layout(kw3, KW, assert_trivial=True)
-    else:
-        kw2, kw3 = kw0, kw1
-    return kw0, kw1, kw2, kw3
-
-
-@gluon.jit
-def _tile_words(x, VS: gl.constexpr):
-    """Value words [t, a, j] (lane 4a + t, j in-thread) -> [pairs u = t + 4j, a] in VS: register-only."""
-    x = gl.reshape(gl.permute(x, [2, 0, 1]), [32, x.shape[1]])
-    return gl.convert_layout(x, VS, assert_trivial=True)
-
-
-@gluon.jit
-def _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK: gl.constexpr, NGV: gl.constexpr, TB: gl.constexpr,
-                 D: gl.constexpr, VT: gl.constexpr, VS: gl.constexpr):
-    """Tile t0's value halves joined in pairs and its metadata (with keys per channel, TB > 1, the key codes'
-    places hold the value codes: the key scales are read per block by _channel_query). At head_dim 256 the
-    upper half's halves 16-31 as the lower's (otherwise vw2, vw3 repeat vw0, vw1). VT (value codes in 64-row
-    tiles, kvstore's value_layout "tiles"): lane 4a + t's pair words of half 8B + a are the 32 bytes at 16-bit
-    slot 64·(8B + a) + 16t of the tile (voff), two 16-byte loads a block, already paired; otherwise two 2-byte
-    loads a pair, 8 rows apart, joined by _pair."""
-    if VT:
-        vp = vh.to(gl.pointer_type(gl.int32)) + gl.multiple_of(t0, 64) * (D // 16) + voff
-        vw0 = _tile_words(gl.load(vp), VS)
-        if D >= 128:
-            vw1 = _tile_words(gl.load(vp + 256), VS)
-        else:
-            vw1 = vw0
-        if D == 256:
-            vw2 = _tile_words(gl.load(vp + 512), VS)
-            vw3 = _tile_words(gl.load(vp + 768), VS)
-        else:
-            vw2, vw3 = vw0, vw1
-    else:
-        vp = vh + t0 * (D // 8) + voff
-        vw0 = _pair(gl.load(vp), gl.load(vp + D))
-        if D >= 128:
-            vw1 = _pair(gl.load(vp + 8), gl.load(vp + 8 + D))
-        else:
-            vw1 = vw0
-        if D == 256:
-            vw2 = _pair(gl.load(vp + 16), gl.load(vp + 16 + D))
-            vw3 = _pair(gl.load(vp + 24), gl.load(vp + 24 + D))
-        else:
-            vw2, vw3 = vw0, vw1
-    vscb = _load_meta(vsc, t0, NGV)
-    vzb = _load_meta(vz, t0, NGV)
-    if TB > 1:
-        kscb = vscb
-        kzb = vzb
-    else:
-        kscb = _load_meta(ksc, t0, NGK)
-        kzb = _load_meta(kz, t0, NGK)
-    return vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb
-
-
-@gluon.jit
-def _issue(ksm, vsm, msm, st, kw, vh, mp, t0, kc, vc):
-    """Start copying tile t0's bytes into stage st of the ring (cp.async, 16 bytes a copy)."""
-    _async_load(ksm.index(st), kw + t0 * 8 + kc)
-    _async_load(vsm.index(st), vh + t0 * 16 + vc)
-    _async_load(msm.index(st), mp + t0 // 2)
-
-
-@gluon.jit
-def _read_tile(ksm, vsm, msm, st, KW: gl.constexpr, VS: gl.constexpr):
-    """_load_tile's registers, from stage st of the ring."""
-    K8: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0])
-    x = ksm.index(st).load(K8)
-    kw0, kw1 = gl.split(gl.reshape(x, [x.shape[0], 4, 2]))
-    kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
-    kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
-    v = vsm.index(st)
-    m = msm.index(st)
-    vw0 = _pair(v.slice(0, 32).load(VS), v.slice(64, 32).load(VS))
-    vw1 = _pair(v.slice(32, 32).load(VS), v.slice(96, 32).load(VS))
-    # The metadata as _load_meta's words (one 16-byte read a thread an array).
-    MW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
-    return (kw0, kw1, kw0, kw1, vw0, vw1, vw0, vw1, m.slice(0, 8).load(MW), m.slice(8, 8).load(MW),
-            m.slice(16, 8).load(MW), m.slice(24, 8).load(MW))
-
-
-_PREFETCH = gl.constexpr("prefetch.global.L2 [$1];\n mov.b32 $0, 0;")
-
-
-@gluon.jit
-def _prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0, D: gl.constexpr, NGK: gl.constexpr, NGV: gl.constexpr,
-                   TB: gl.constexpr):
-    """Hint tile t0's bytes into L2, holding no register: its key words and value codes (D/4 bytes a row each, 64
-    rows contiguous: D/8 lines of 128 bytes each) and the first line of each scale and zero array's."""
-    LINES: gl.constexpr = D // 8
-    NL: gl.constexpr = D // 2       # at least 2·LINES + 4 lanes' addresses, whole warps
-    i = gl.arange(0, NL, layout=gl.BlockedLayout([NL // 32], [32], [1], [0])).to(gl.int64)
-    t = t0.to(gl.int64)
-    j = (i - 2 * LINES) % 4
-    if TB > 1:
-        kmeta = (t // TB) * D
-    else:
-        kmeta = t * NGK
-    meta = gl.where(j == 0, vsc.to(gl.int64) + t * NGV,
-                    gl.where(j == 1, vz.to(gl.int64) + t * NGV,
-                             gl.where(j == 2, ksc.to(gl.int64) + kmeta, kz.to(gl.int64) + kmeta)))
-    addr = gl.where(i < LINES, kw.to(gl.int64) + t * (D // 4) + 128 * i,
-                    gl.where(i < 2 * LINES, vh.to(gl.int64) + t * (D // 4) + 128 * (i - LINES), meta))
-    gl.inline_asm_elementwise(_PREFETCH, "=r,l", [addr], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -294,61 +80,12 @@ def _rho_scale(kappa):
     return gl.exp2(-2.0 * rho.to(gl.float32))
 
 
-_BYTES_TEXT = """{
-.reg .b32 w;
-xor.b32 w, $4, XOR;
-prmt.b32 $0, w, 0x4B000000, 0x7650;
-prmt.b32 $1, w, 0x4B000000, 0x7651;
-prmt.b32 $2, w, 0x4B000000, 0x7652;
-prmt.b32 $3, w, 0x4B000000, 0x7653;
-}"""
-_U8_FLOATS = gl.constexpr(_BYTES_TEXT.replace("XOR", "0"))
-_I8_FLOATS = gl.constexpr(_BYTES_TEXT.replace("XOR", "0x80808080"))
-
-
-@gluon.jit
-def _byte_floats(w, SIGNED: gl.constexpr):
-    """int32 words [..., n] -> float32 [..., 4n]: byte k of word j at 4j + k, as 2^23 + b, b the byte
-    unsigned, or signed plus 128: one prmt a byte moves it into the mantissa of 2^23."""
-    f0, f1, f2, f3 = gl.inline_asm_elementwise(_I8_FLOATS if SIGNED else _U8_FLOATS, "=r,=r,=r,=r,r", [w],
-                                               dtype=(gl.float32,) * 4, is_pure=True, pack=1)
-    x = gl.permute(gl.join(gl.join(f0, f1), gl.join(f2, f3)), [0, 1, 3, 2])
-    return gl.reshape(x, [w.shape[0], 4 * w.shape[1]])
-
-
-@gluon.jit
-def _load_block(ptr, D: gl.constexpr):
-    """A key block's D scale or zero code bytes as int32 words [4, D/16]: lane t (of 4·g + t) loads row t,
-    D/4 consecutive bytes, in one vector load (every g alike)."""
-    CL: gl.constexpr = gl.BlockedLayout([1, D // 16], [4, 8], [1, 1], [0, 1])
-    t = gl.arange(0, 4, layout=gl.SliceLayout(1, CL))
-    c = gl.arange(0, D // 16, layout=gl.SliceLayout(0, CL))
-    return gl.load(ptr.to(gl.pointer_type(gl.int32)) + (D // 16) * t[:, None] + c[None, :])
-
-
-@gluon.jit
-def _block_codes(w, QL: gl.constexpr, D: gl.constexpr, SIGNED: gl.constexpr):
-    """_load_block's words as floats 2^23 + b (_byte_floats) in the query operands' κ order (layout QL, the
-    operand's rows): product o reads channel (D/4)·t + 16·o + 8e + i at κ = 16s + 8h + 2t + e (i = 2s + h),
-    which lane t holds in its registers. (product 0, product 1); at head_dim 64 one product, returned twice."""
-    x = _byte_floats(w, SIGNED)
-    if D == 128:
-        # [t, (o, e, s, h)] -> [(s, h, t, e), o]
-        x0, x1 = gl.split(gl.reshape(gl.permute(gl.reshape(x, [4, 2, 2, 4, 2]), [3, 4, 0, 2, 1]), [64, 2]))
-        return gl.convert_layout(x0, QL, assert_trivial=True), gl.convert_layout(x1, QL, assert_trivial=True)
-    else:
-        # [t, (e, s, h)] -> [(s, h, t, e)]
-        x0 = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 4, 2]), [2, 3, 0, 1]), [64])
-        x0 = gl.convert_layout(x0, QL, assert_trivial=True)
-        return x0, x0
-
-
 @gluon.jit
 def _channel_query(q, sc, log2_scale):
     """Keys per channel: one product's query operand for a key block, q̂_κ = bf16(q_κ·step_c), from the loop's
     operand q_κ = q̃_c·4^-ρ (exact in bf16) and the block's step_c = 2^(b_c/8 − 16 + λ) (the score scale
-    2^λ folded in, λ = log2_scale, so q̂ rounds as in decode._channel_scores). sc: the block's scale codes b_c
-    as floats 2^23 + b_c (_block_codes)."""
+    2^λ folded in, λ = log2_scale, so q̂ rounds as in decode_programs._channel_scores). sc: the block's scale
+    codes b_c as floats 2^23 + b_c (block_codes)."""
     return (q.to(gl.float32) * gl.exp2((sc - 8388608.0) * 0.125 + (log2_scale - 16.0))[:, None]).to(gl.bfloat16)
 
 
@@ -357,29 +94,10 @@ def _zero_rows(z, quarter_rho, AL: gl.constexpr):
     """Keys per channel: an mma A operand [16, 64] whose product with q̂ (B) gives the block's score offset:
     rows 0-7 hold 4^ρ·z_c/4 (z the block's zero code, an integer of 8 bits times a power of 2: exact in
     bf16), rows 8-15 hold −128 (the 128 the unpack leaves in every code). z: the zero code bytes as floats
-    2^23 + 128 + z (_block_codes, signed); quarter_rho: 4^ρ/4 in the same κ order."""
+    2^23 + 128 + z (block_codes, signed); quarter_rho: 4^ρ/4 in the same κ order."""
     zc = gl.convert_layout(z * quarter_rho - 8388736.0 * quarter_rho, gl.SliceLayout(0, AL), assert_trivial=True)
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, AL))
     return gl.where((rows < 8)[:, None], zc[None, :], -128.0).to(gl.bfloat16)
-
-
-@gluon.jit
-def _key_operand(words, KL: gl.constexpr, a_op: gl.constexpr):
-    """A product's key words [tokens, t] (word w(t) of each row) -> the mma A operand [tokens, 64] bf16."""
-    k = _unpack_words(gl.expand_dims(words, 2), KL)
-    # [tokens, t, (i = 2s + h, e)] -> [tokens, (s, h, t, e)]: κ = 16s + 8h + 2t + e.
-    k = gl.permute(gl.reshape(k, [k.shape[0], 4, 4, 2, 2]), [0, 2, 3, 1, 4])
-    return gl.convert_layout(gl.reshape(k, [k.shape[0], 64]), a_op, assert_trivial=True)
-
-
-@gluon.jit
-def _value_operand(words, VL: gl.constexpr, a_op: gl.constexpr):
-    """A 64-channel block's value words [token pairs u, a] (halves of rows 2u, 2u + 1 joined) -> the mma A
-    operand [64 channels, tokens] bf16."""
-    u = _unpack_words(gl.expand_dims(words, 2), VL)
-    # [pairs u, a, (i, e)] -> [(i, a), (u, e)]: rows κ = 8i + a, columns token 2u + e.
-    v = gl.permute(gl.reshape(u, [u.shape[0], 8, 8, 2]), [2, 1, 0, 3])
-    return gl.convert_layout(gl.reshape(v, [64, 2 * u.shape[0]]), a_op, assert_trivial=True)
 
 
 @gluon.jit
@@ -391,7 +109,7 @@ def _grid_wait():
 
 @gluon.jit
 def _value_step(sc):
-    """A value group's step 2^(b/8 − 16) from its scale code as a float 2^23 + b (_tile_meta):
+    """A value group's step 2^(b/8 − 16) from its scale code as a float 2^23 + b (tile_meta):
     (2^23 + b)/8 − 2^20 − 16 = b/8 − 16, exact in one fma."""
     return gl.exp2(sc * 0.125 - 1048592.0)
 
@@ -413,48 +131,44 @@ def _store_block(optr, o, w_sum, z_sum, rho, omask, HL: gl.constexpr, cols: gl.c
 def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
                        log2_scale, T, n_int2_splits, min_chunk, NS, cdesc, mdesc,
                        HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
-                       NW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NGK: gl.constexpr,
-                       NGV: gl.constexpr, TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr,
-                       MASK_ALL: gl.constexpr, KEYS_AHEAD: gl.constexpr, VT: gl.constexpr,
-                       PDL: gl.constexpr = False, SLIDE: gl.constexpr = False, HOLE: gl.constexpr = False,
-                       PF: gl.constexpr = 0, STRIDED: gl.constexpr = False, FLAT: gl.constexpr = False,
-                       TMA: gl.constexpr = 0):
+                       NW: gl.constexpr, BLOCK_N: gl.constexpr, NGK: gl.constexpr, NGV: gl.constexpr,
+                       TB: gl.constexpr, HT: gl.constexpr, D: gl.constexpr, MASK_ALL: gl.constexpr,
+                       KEYS_AHEAD: gl.constexpr, VT: gl.constexpr, PDL: gl.constexpr, SLIDE: gl.constexpr,
+                       HOLE: gl.constexpr, PF: gl.constexpr, STRIDED: gl.constexpr, FLAT: gl.constexpr,
+                       TMA: gl.constexpr):
     """Program (HT·i + j, bh): INT2 split NW + i of (sequence, KV head) bh for its query heads
     jR4 .. jR4 + R4 − 1 (HT tiles of R4 heads cover the HG heads of a KV head; the HT programs of a split
     run side by side, so the second reads the split's bytes from L2). qt: q̃ bf16 [B, H, D]; kw: key
     codes as int32 words [B, H_kv, T, D/16]; vh: value codes as int16 halves [B, H_kv, T, D/8] (VT: in 64-row
-    tiles, kvstore.Int2KVCache; not with the ring); ksc, kz, vsc, vz:
-    scale and zero codes as bytes [B, H_kv, T, NG] (NG = 2 for groups of 64 channels, 1 for 128; zeros are
-    int8 read as uint8). TB > 1: keys per channel over blocks of TB tokens, ksc and kz [B, H_kv, T/TB, D],
-    the block's step and zero folded into the query operands each tile (_channel_query). T must be a
-    multiple of BLOCK_N and of TB. D: 64, 128 or 256 (R4 = 4 only: two products more for the keys, over
-    channels 128-255 as over 0-127, and two value products; NG up to 4); the ring (STAGES > 0) only at D 128,
-    TB 1, NGK = NGV = 2, R4 = 4 (decode.gluon_constexprs keeps to these). MASK_ALL: the scores of every tile are
-    masked to the program's rows; otherwise only those of its last tile, the one that can run past them (a
-    warp-uniform branch). KEYS_AHEAD: each tile's key words are loaded during the tile before (loop-carried), so
+    tiles, kvstore.Int2KVCache); ksc, kz, vsc, vz: scale and zero codes as bytes [B, H_kv, T, NG] (NG = 2 for
+    groups of 64 channels, 1 for 128; zeros are int8 read as uint8). TB > 1: keys per channel over blocks of TB
+    tokens, ksc and kz [B, H_kv, T/TB, D], the block's step and zero folded into the query operands each tile
+    (_channel_query). T must be a multiple of BLOCK_N and of TB. D: 64, 128 or 256 (R4 = 4 only: two products more
+    for the keys, over channels 128-255 as over 0-127, and two value products; NG up to 4). MASK_ALL: the scores of
+    every tile are masked to the program's rows; otherwise only those of its last tile, the one that can run past
+    them (a warp-uniform branch). KEYS_AHEAD: each tile's key words are loaded during the tile before (loop-carried), so
     the first key product does not wait on memory. PDL: launched as a programmatic dependent of the query
     rotation (or, on one stream, the window programs): q̃ is read after _grid_wait. SLIDE: a window's store, its
     rows a ring of T (kvstore.window_cache); HOLE: one with keys per channel, whose expired rows
-    (decode.expired_rows) are masked in the tiles that hold them. PF > 0: during each tile the program hints the
-    one PF tiles after it into L2 (prefetch, no registers held; decode.prefetch_tiles). STRIDED: split i of the
+    (decode_programs.expired_rows) are masked in the tiles that hold them. PF > 0: during each tile the program hints
+    the one PF tiles after it into L2 (prefetch, no registers held; plan.prefetch_tiles). STRIDED: split i of the
     A = ⌈n_int2 / chunk⌉ splits that have rows takes tiles i, i + A, i + 2A, ... rather than a chunk of
-    consecutive ones (as many tiles; not with the ring; decode.strided_tiles).
-    FLAT (decode.flat_splits): the grid is (P·HT, 1) and n_int2_splits is the number Q of (sequence, KV head) pairs.
+    consecutive ones (as many tiles; plan.strided_tiles).
+    FLAT (plan.flat_splits): the grid is (P·HT, 1) and n_int2_splits is the number Q of (sequence, KV head) pairs.
     Pair bh owns units [bh·P, (bh + 1)·P) of a line of P·Q units, program p the units [p·Q, (p + 1)·Q): a unit of
     a pair is 1/P of its own tiles, so every program has the same share of the work at equal lengths, however P
     divides among the pairs, and a pair's rows go to its programs by its own length as the splits' do. A program
     takes its part of each pair it meets (two at most while Q ≤ P), writing split NW + k of the pair, k its place
-    among the pair's programs; the last of them marks the pair's unused splits empty. Not with STRIDED or the
-    ring.
-    TMA > 0 (decode.tma_stages): the tiles come through a ring of TMA stages in shared memory, each tile's bulk copies
-    issued TMA tiles ahead (_issue_tma), its registers read from the stage (_read_tma): head_dim 64, 128 or 256,
+    among the pair's programs; the last of them marks the pair's unused splits empty. Not with STRIDED or TMA.
+    TMA > 0 (plan.tma_stages): the tiles come through a ring of TMA stages in shared memory, each tile's bulk copies
+    issued TMA tiles ahead (issue_tma), its registers read from the stage (read_tma): head_dim 64, 128 or 256,
     value groups of 64, VT, not FLAT, and keys per token in groups of 64 (at head_dim 128 R4 = 4, or 8 with GS) or per
     channel in blocks of a tile (TB = BLOCK_N, the block's codes with the tile's metadata) at R4 = 4 or 8. cdesc,
     mdesc: the store's two descriptors (decode.tma_descriptors), of the key and value codes together and of the four
     scale and zero arrays together; None without the ring."""
     r0 = (gl.program_id(0) % HT) * R4
     if FLAT:
-        gl.static_assert((STAGES == 0) and not STRIDED)
+        gl.static_assert(not STRIDED)
         p = gl.program_id(0) // HT
         P = gl.num_programs(0) // HT
         Q = n_int2_splits
@@ -468,8 +182,7 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             k = p - bh * P // Q
             _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T,
                      bh, r0, bh * NS + NW + k, lo * tiles // P * BLOCK_N, end, BLOCK_N, hole_lo, hole_hi, HKV, HG,
-                     R4, BLOCK_N, STAGES, NGK, NGV, TB, D, MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF,
-                     cdesc, mdesc, TMA)
+                     R4, BLOCK_N, NGK, NGV, TB, D, MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF, cdesc, mdesc, TMA)
             if p == ((bh + 1) * P - 1) // Q:
                 EL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
                 rr = r0 + gl.arange(0, R4, layout=EL)
@@ -483,7 +196,6 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
         chunk = gl.maximum(gl.cdiv(n_int2, n_int2_splits), min_chunk)
         chunk = gl.cdiv(chunk, BLOCK_N) * BLOCK_N
         if STRIDED:
-            gl.static_assert(STAGES == 0)
             active = gl.cdiv(n_int2, chunk)
             start = gl.where(sid - NW < active, (sid - NW) * BLOCK_N, n_int2)
             end = n_int2
@@ -493,8 +205,8 @@ def _int2_split_kernel(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr,
             end = gl.minimum(start + chunk, n_int2)
             step = BLOCK_N
         _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T, bh,
-                 r0, bh * NS + sid, start, end, step, hole_lo, hole_hi, HKV, HG, R4, BLOCK_N, STAGES, NGK, NGV, TB, D,
-                 MASK_ALL, KEYS_AHEAD, VT, PDL, HOLE, PF, cdesc, mdesc, TMA)
+                 r0, bh * NS + sid, start, end, step, hole_lo, hole_hi, HKV, HG, R4, BLOCK_N, NGK, NGV, TB, D, MASK_ALL,
+                 KEYS_AHEAD, VT, PDL, HOLE, PF, cdesc, mdesc, TMA)
 
 
 @gluon.jit
@@ -502,7 +214,7 @@ def _rows_held(len_ptr, b, T, S: gl.constexpr, W: gl.constexpr, TB: gl.constexpr
                HOLE: gl.constexpr):
     """(n_int2, hole_lo, hole_hi) of sequence b: its INT2 rows in use (whole key blocks; a window's store, SLIDE: at
     most its ring's T) and, with HOLE, the rows of the oldest block whose tokens have left the window
-    (decode.expired_rows)."""
+    (decode_programs.expired_rows)."""
     length = gl.load(len_ptr + b)
     n_int2 = gl.maximum(length - S - W, 0) // TB * TB
     hole_lo = 0
@@ -519,8 +231,8 @@ def _rows_held(len_ptr, b, T, S: gl.constexpr, W: gl.constexpr, TB: gl.constexpr
 @gluon.jit
 def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr, log2_scale, T,
              bh, r0, slot, start, end, step, hole_lo, hole_hi,
-             HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             NGK: gl.constexpr, NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr, MASK_ALL: gl.constexpr,
+             HKV: gl.constexpr, HG: gl.constexpr, R4: gl.constexpr, BLOCK_N: gl.constexpr, NGK: gl.constexpr,
+             NGV: gl.constexpr, TB: gl.constexpr, D: gl.constexpr, MASK_ALL: gl.constexpr,
              KEYS_AHEAD: gl.constexpr, VT: gl.constexpr, PDL: gl.constexpr, HOLE: gl.constexpr, PF: gl.constexpr,
              cdesc, mdesc, TMA: gl.constexpr):
     """Query heads r0 .. r0 + R4 − 1 of (sequence, KV head) bh over its INT2 rows start, start + step, ... below end
@@ -674,7 +386,7 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
     # Keys per channel: the block's scale and zero codes are loaded a tile ahead (loop-carried words) where the
     # registers allow: ahead, 8 heads at head_dim 128 take 225 registers (8 programs a multiprocessor), with
     # the tile 168 (12), 4-6% faster (with the next tile hinted into L2, PF, the in-tile loop takes 223 and runs faster
-    # still: decode.prefetch_tiles); 4 heads and head_dim 64 run faster ahead (H100, kernel_notes.md v14).
+    # still: plan.prefetch_tiles); 4 heads and head_dim 64 run faster ahead (H100).
     # At head_dim 256 a block's codes are two halves of 128 channels (DH), each read as head_dim 128 reads its.
     DH: gl.constexpr = 128 if D == 256 else D
     # Through the TMA ring a tile's stage holds its block's codes (TB = BLOCK_N): read there, not ahead.
@@ -682,38 +394,10 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
     # A program past the store's rows (an empty split) reads, ahead, its last tile's codes instead.
     first = gl.minimum(start, T - BLOCK_N)
     if TB > 1 and CODES_AHEAD:
-        sc_next = _load_block(ksc + (first // TB) * D, D)
-        z_next = _load_block(kz + (first // TB) * D, D)
+        sc_next = load_block(ksc + (first // TB) * D, D)
+        z_next = load_block(kz + (first // TB) * D, D)
     if KEYS_AHEAD:
-        k_next = _load_keys(kw, first, koff, KW, D)
-    if STAGES > 0:
-        # The ring, rows in tile-row order: keys [m, word] (token σ(m)); values [32·(2e + B) + u, a] = half
-        # 8B + a of tile row 2u + e; metadata [8·array + g, j] = word j of tokens 8g .. 8g + 7. Every read
-        # is then free of bank conflicts (consecutive lanes read consecutive rows).
-        S2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        ksm = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], S2)
-        vsm = gl.allocate_shared_memory(gl.int16, [STAGES, 2 * BLOCK_N, 8], S2)
-        msm = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 4], S2)
-        # Copy layouts: 16 bytes a thread a copy (nine a tile), no two threads on the same bytes.
-        KC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0])
-        VC: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
-        MC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
-        cm = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KC))
-        kc = ((8 * (cm % 8) + cm // 8) * 8)[:, None] + gl.arange(0, 8, layout=gl.SliceLayout(0, KC))[None, :]
-        cr = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(1, VC))
-        crow = 2 * (cr % 32) + cr // 64
-        vc = ((8 * (crow % 8) + crow // 8) * 16 + 8 * ((cr // 32) % 2))[:, None] \
-            + gl.arange(0, 8, layout=gl.SliceLayout(0, VC))[None, :]
-        ca = gl.arange(0, 32, layout=gl.SliceLayout(1, MC))
-        i32: gl.constexpr = gl.pointer_type(gl.int32)
-        mbase = gl.where(ca < 8, ksc.to(i32), gl.where(ca < 16, kz.to(i32), gl.where(ca < 24, vsc.to(i32),
-                                                                                        vz.to(i32))))
-        mp = (mbase + 4 * (ca % 8))[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, MC))[None, :]
-        mp = gl.max_contiguous(gl.multiple_of(mp, [16, 16]), [1, 4])   # lost through the select (bytes)
-        for i in gl.static_range(STAGES - 1):
-            if start + i * BLOCK_N < end:
-                _issue(ksm, vsm, msm, i, kw, vh, mp, start + i * BLOCK_N, kc, vc)
-            async_copy.commit_group()
+        k_next = load_keys(kw, first, koff, KW, D)
     if TMA > 0:
         # The TMA ring: stage j holds a tile's key and value codes ([2, D/8, 32] words: rows of 512/D tokens, 128-byte
         # swizzle) and its four metadata arrays' D/4 words each ([4, 1, D/4]; [4, 2, 32] at 256), two bulk copies of
@@ -736,7 +420,7 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
         for j in gl.static_range(TMA):
             tj = start + j * step
             if tj < end:
-                _issue_tma(cdesc, mdesc, cring, mring, bars, j, crow + (tj >> CSH), (mrow + (tj >> 6)) * MR, 36 * D)
+                issue_tma(cdesc, mdesc, cring, mring, bars, j, crow + (tj >> CSH), (mrow + (tj >> 6)) * MR, 36 * D)
         # The stage and its mbarrier's phase, carried (a division by the step each tile cost 20 instructions).
         st = 0
         phase = 0
@@ -744,72 +428,60 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
         # Rows up to t0 + BLOCK_N exist (T is a multiple of BLOCK_N): loads unmasked, scores masked.
         if PF > 0:
             if t0 + PF * step < end:
-                _prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0 + PF * step, D, NGK, NGV, TB)
-        if STAGES > 0:
-            it = (t0 - start) // BLOCK_N
-            async_copy.wait_group(STAGES - 2)
-            # Every lane's copies of this tile have landed, and every lane is done reading the stage the
-            # next copy overwrites (it held the previous tile).
-            _barrier()
-            t_next = t0 + (STAGES - 1) * BLOCK_N
-            nxt = (it + STAGES - 1) % STAGES
-            if t_next < end:
-                _issue(ksm, vsm, msm, nxt, kw, vh, mp, t_next, kc, vc)
-            async_copy.commit_group()
-            cur = _read_tile(ksm, vsm, msm, it % STAGES, KW, gl.SliceLayout(2, VL))
-        elif TMA > 0:
+                prefetch_tile(kw, vh, ksc, kz, vsc, vz, t0 + PF * step, D, NGK, NGV, TB)
+        if TMA > 0:
             mbarrier.wait(bars.index(st), phase)
-            cur = _read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB, GS, D)
+            cur = read_tma(cring, mring, st, KW, gl.SliceLayout(2, VL), TB, GS, D)
             if TB > 1 and D == 256:
                 # The block's upper 128 scale and zero codes (rows 1 and 3 of the stage's metadata).
                 meta = mring.index(st).reshape([8, 32])
-                sc_hi = _ring_meta(meta, 1, 128, True)
-                z_hi = _ring_meta(meta, 3, 128, True)
+                sc_hi = ring_meta(meta, 1, 128, True)
+                z_hi = ring_meta(meta, 3, 128, True)
             # Every lane's reads of stage st are done before the copy that refills it (generic, then async proxy).
             _barrier()
             fence_async_shared()
             tn = t0 + TMA * step
             if tn < end:
-                _issue_tma(cdesc, mdesc, cring, mring, bars, st, crow + (tn >> CSH), (mrow + (tn >> 6)) * MR, 36 * D)
+                issue_tma(cdesc, mdesc, cring, mring, bars, st, crow + (tn >> CSH), (mrow + (tn >> 6)) * MR, 36 * D)
             wrap = (st == TMA - 1).to(gl.int32)
             st = (st + 1) * (1 - wrap)
             phase = phase ^ wrap
         elif KEYS_AHEAD:
-            cur = k_next + _load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
-            k_next = _load_keys(kw, gl.minimum(t0 + step, T - BLOCK_N), koff, KW, D)
+            cur = k_next + load_values(vh, ksc, kz, vsc, vz, t0, voff, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
+            k_next = load_keys(kw, gl.minimum(t0 + step, T - BLOCK_N), koff, KW, D)
         else:
-            cur = _load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
+            cur = load_tile(kw, vh, ksc, kz, vsc, vz, t0, koff, voff, KW, NGK, NGV, TB, D, VT, gl.SliceLayout(2, VL))
         kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, kscb, kzb, vscb, vzb = cur
-        a0 = _key_operand(kw0, KL, a_op)
+        a0 = key_operand(kw0, KL, a_op)
         if D >= 128:
-            a1 = _key_operand(kw1, KL, a_op)
+            a1 = key_operand(kw1, KL, a_op)
         if D == 256:
-            a2 = _key_operand(kw2, KL, a_op)
-            a3 = _key_operand(kw3, KL, a_op)
+            a2 = key_operand(kw2, KL, a_op)
+            a3 = key_operand(kw3, KL, a_op)
         if TB > 1:
             if TMA > 0:
                 sc_next = kscb
                 z_next = kzb
             elif not CODES_AHEAD:
-                sc_next = _load_block(ksc + (t0 // TB) * D, DH)
-                z_next = _load_block(kz + (t0 // TB) * D, DH)
-            sc0, sc1 = _block_codes(sc_next, gl.SliceLayout(1, b_op), DH, False)
-            z0, z1 = _block_codes(z_next, gl.SliceLayout(1, b_op), DH, True)
+                sc_next = load_block(ksc + (t0 // TB) * D, DH)
+                z_next = load_block(kz + (t0 // TB) * D, DH)
+            sc0, sc1 = block_codes(sc_next, gl.SliceLayout(1, b_op), DH, False)
+            z0, z1 = block_codes(z_next, gl.SliceLayout(1, b_op), DH, True)
             if D == 256:
                 if TMA == 0:
-                    sc_hi = _load_block(ksc + (t0 // TB) * D + 128, DH)
-                    z_hi = _load_block(kz + (t0 // TB) * D + 128, DH)
-                sc2, sc3 = _block_codes(sc_hi, gl.SliceLayout(1, b_op), DH, False)
-                z2, z3 = _block_codes(z_hi, gl.SliceLayout(1, b_op), DH, True)
+                    sc_hi = load_block(ksc + (t0 // TB) * D + 128, DH)
+                    z_hi = load_block(kz + (t0 // TB) * D + 128, DH)
+                sc2, sc3 = block_codes(sc_hi, gl.SliceLayout(1, b_op), DH, False)
+                z2, z3 = block_codes(z_hi, gl.SliceLayout(1, b_op), DH, True)
             if CODES_AHEAD:
                 # The next tile's block codes (the last tile reloads a block in the store).
                 blk = (gl.minimum(t0 + step, T - BLOCK_N) // TB) * D
-                sc_next = _load_block(ksc + blk, D)
-                z_next = _load_block(kz + blk, D)
+                sc_next = load_block(ksc + blk, D)
+                z_next = load_block(kz + blk, D)
             # The score offset Σ_κ q̂_κ·(4^ρ·z_c/4 − 128) by the tensor cores: rows 0-7 of the [16, 8] product
             # hold the zero term, rows 8-15 −128·Σ_κ q̂_κ, so the sum over its rows is 8 times the offset
             # (equal values double exactly). Added after the key products, which then do not wait on it
-            # (as their starting accumulator it cost 8-9%: kernel_notes.md v14).
+            # (as their starting accumulator it cost 8-9%, H100).
             qc0 = _channel_query(q0, sc0, log2_scale)
             off = mma_v2(_zero_rows(z0, quarter_rho, a_op), qc0, gl.zeros([16, NC], gl.float32, mma))
             if D >= 128:
@@ -832,11 +504,11 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
                 s1 = mma_v2(a1, q1, s_init1 if GS else s)
             if D == 256:
                 s3 = mma_v2(a3, q3, mma_v2(a2, q2, s_init2))
-                ksc0, ksc1, ksc2, ksc3 = _tile_meta4(kscb, CR, False)
-                kz0, kz1, kz2, kz3 = _tile_meta4(kzb, CR, True)
+                ksc0, ksc1, ksc2, ksc3 = tile_meta4(kscb, CR, False)
+                kz0, kz1, kz2, kz3 = tile_meta4(kzb, CR, True)
             else:
-                ksc0, ksc1 = _tile_meta(kscb, CR, False)
-                kz0, kz1 = _tile_meta(kzb, CR, True)
+                ksc0, ksc1 = tile_meta(kscb, CR, False)
+                kz0, kz1 = tile_meta(kzb, CR, True)
             kz0 -= 8388736.0
             kz1 -= 8388736.0
             kst0 = gl.exp2((ksc0 - 8388608.0) * 0.125 + (log2_scale - 16.0))
@@ -896,17 +568,17 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
 
         # Value weights w_g = p·step_g (bf16): the products' B operand, and their sums.
         if D == 256:
-            vsc0, vsc1, vsc2, vsc3 = _tile_meta4(vscb, XR, False)
-            vz0, vz1, vz2, vz3 = _tile_meta4(vzb, XR, True)
+            vsc0, vsc1, vsc2, vsc3 = tile_meta4(vscb, XR, False)
+            vz0, vz1, vz2, vz3 = tile_meta4(vzb, XR, True)
         else:
-            vsc0, vsc1 = _tile_meta(vscb, XR, False)
-            vz0, vz1 = _tile_meta(vzb, XR, True)
+            vsc0, vsc1 = tile_meta(vscb, XR, False)
+            vz0, vz1 = tile_meta(vzb, XR, True)
         vz0 -= 8388736.0
         vz1 -= 8388736.0
         vst0 = _value_step(vsc0)
         vst1 = _value_step(vsc1)
         if R4 == 8:
-            # One cvt for both: 1-2% faster at 8 heads, 1-2% slower at 4 (the halves cost prmts; v15).
+            # One cvt for both: 1-2% faster at 8 heads, 1-2% slower at 4 (the halves cost prmts).
             w0, w1 = _bf16_pair(p * vst0[:, None], p * vst1[:, None])
         else:
             w0 = (p * vst0[:, None]).to(gl.bfloat16)
@@ -926,9 +598,9 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
         # Values: half-word a of the tokens of rows 2u and 2u + 1 (8 tokens apart), joined in one word.
         # A fresh accumulator per tile, added with round-to-nearest float32 adds: chained through the
         # tensor cores over a long chunk, the 128·Σw offset in the codes lost precision (4e-3 at 4K rows).
-        o0 += mma_v2(_value_operand(vw0, VL, a_op), b0, o_zero)
+        o0 += mma_v2(value_operand(vw0, VL, a_op), b0, o_zero)
         if D >= 128:
-            o1 += mma_v2(_value_operand(vw1, VL, a_op), b1, o_zero)
+            o1 += mma_v2(value_operand(vw1, VL, a_op), b1, o_zero)
         if D == 256:
             # Blocks 2 and 3 (with groups of 128 their codes are block 2's: the same tensors, computed once), as
             # blocks 0 and 1 above: one helper for all four reorders ptxas's schedule of the measured programs.
@@ -945,8 +617,8 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
             if R4 < NP:
                 w2 = gl.reshape(gl.join(w2, gl.zeros_like(w2)), [BLOCK_N, NP])
                 w3 = gl.reshape(gl.join(w3, gl.zeros_like(w3)), [BLOCK_N, NP])
-            o2 += mma_v2(_value_operand(vw2, VL, a_op), gl.convert_layout(w2, b_op), o_zero)
-            o3 += mma_v2(_value_operand(vw3, VL, a_op), gl.convert_layout(w3, b_op), o_zero)
+            o2 += mma_v2(value_operand(vw2, VL, a_op), gl.convert_layout(w2, b_op), o_zero)
+            o3 += mma_v2(value_operand(vw3, VL, a_op), gl.convert_layout(w3, b_op), o_zero)
 
     # Output channel 64B + π(κ) of head r: 4^-ρ(κ)·(O^T_B[κ, r] − 128·Σw_B) + Σ w_B z_B/4.
     kappa = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
@@ -966,147 +638,3 @@ def _segment(qt_ptr, kw_ptr, ksc_ptr, kz_ptr, vh_ptr, vsc_ptr, vz_ptr, po_ptr, p
     rr = r0 + gl.arange(0, R4, layout=HL)
     gl.store(pm_ptr + slot * HG + rr, m, mask=rr < HG)
     gl.store(pl_ptr + slot * HG + rr, l, mask=rr < HG)
-
-
-@gluon.jit
-def _issue_tma(cdesc, mdesc, cring, mring, bars, st, crow, mrow, NBYTES: gl.constexpr):
-    """Start the two bulk copies of a tile into stage st of the TMA ring: its key and value codes (codes rows crow ..,
-    one box of both arrays) and its four metadata arrays' bytes (metadata rows mrow .., one box), NBYTES in all on
-    the stage's mbarrier."""
-    bar = bars.index(st)
-    mbarrier.expect(bar, NBYTES)
-    _tma_load(cdesc, [0, crow, 0], bar, cring.index(st))
-    _tma_load(mdesc, [0, mrow, 0], bar, mring.index(st))
-
-
-@gluon.jit
-def _read_tma(cring, mring, st, KW: gl.constexpr, VS: gl.constexpr, TB: gl.constexpr, GS: gl.constexpr,
-              D: gl.constexpr):
-    """_load_tile's registers (head_dim 64, 128 or 256, value codes in tiles) from stage st of the TMA ring. Each
-    load's layout gives a lane exactly the words _load_tile's global loads give it, so the conversions after them are
-    register-only. Keys, token 8g + j: at head_dim 128 descriptor row 2g + j div 4, words 8·(j mod 4) + 2t + e (GS:
-    t + 4e); at 64 row g, word 4j + t; at 256 (j = 4·j2 + 2·j1 + j0) row 4g + 2·j2 + j1, words 16·j0 + 8h + 2t + e.
-    Values: tile row 8B + a, words 8t .. 8t + 7. The 128-byte swizzle spreads
-    the key reads' 8 rows of a lane over the banks (two-way conflicts at most; rows in memory order without it:
-    eight). The metadata: _ring_meta."""
-    VW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1])
-    if D == 64:
-        codes = cring.index(st).reshape([16, 32])
-        K64: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 4], [0, 8], [0, 16]],
-                                                       lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-                                                       warp_bases=[], block_bases=[], shape=[8, 32])
-        x = gl.reshape(gl.permute(gl.reshape(codes.slice(0, 8).load(K64), [8, 8, 4]), [1, 0, 2]), [64, 4])
-        kw0 = gl.convert_layout(x, KW, assert_trivial=True)
-        kw1 = kw0
-        V64: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
-                                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                                       warp_bases=[], block_bases=[], shape=[8, 32])
-        y = gl.permute(gl.reshape(codes.slice(8, 8).load(V64), [8, 4, 8]), [1, 0, 2])
-        vw0 = _tile_words(gl.convert_layout(y, VW, assert_trivial=True), VS)
-        vw1 = vw0
-    elif D == 256:
-        codes = cring.index(st).reshape([64, 32])
-        # h: the upper half of a token's words.
-        K256: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0], [2, 0]],
-                                                        lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
-                                                        warp_bases=[], block_bases=[], shape=[32, 32])
-        x = gl.reshape(codes.slice(0, 32).load(K256), [8, 2, 2, 2, 2, 4, 2])
-        lo, hi = gl.split(gl.reshape(gl.permute(x, [1, 2, 3, 0, 5, 6, 4]), [64, 4, 2, 2]))
-        kw0, kw1 = gl.split(lo)
-        kw2, kw3 = gl.split(hi)
-        kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
-        kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
-        kw2 = gl.convert_layout(kw2, KW, assert_trivial=True)
-        kw3 = gl.convert_layout(kw3, KW, assert_trivial=True)
-        V256: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [16, 0]],
-                                                        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                                        warp_bases=[], block_bases=[], shape=[32, 32])
-        y = gl.permute(gl.reshape(codes.slice(32, 32).load(V256), [2, 2, 8, 4, 8]), [3, 2, 4, 0, 1])
-        ye, yo = gl.split(y)        # blocks 0 and 2, blocks 1 and 3
-        y0, y2 = gl.split(ye)
-        y1, y3 = gl.split(yo)
-        vw0 = _tile_words(gl.convert_layout(y0, VW, assert_trivial=True), VS)
-        vw1 = _tile_words(gl.convert_layout(y1, VW, assert_trivial=True), VS)
-        vw2 = _tile_words(gl.convert_layout(y2, VW, assert_trivial=True), VS)
-        vw3 = _tile_words(gl.convert_layout(y3, VW, assert_trivial=True), VS)
-    else:
-        codes = cring.index(st).reshape([32, 32])
-        if GS:
-            KGS: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 4], [0, 8], [0, 16], [1, 0]],
-                                                           lane_bases=[[0, 1], [0, 2], [2, 0], [4, 0], [8, 0]],
-                                                           warp_bases=[], block_bases=[], shape=[16, 32])
-            x = codes.slice(0, 16).load(KGS)
-            x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 2, 4]), [1, 2, 0, 4, 3]), [64, 4, 2])
-        else:
-            KLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0]],
-                                                           lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
-                                                           warp_bases=[], block_bases=[], shape=[16, 32])
-            x = codes.slice(0, 16).load(KLL)
-            x = gl.reshape(gl.permute(gl.reshape(x, [8, 2, 4, 4, 2]), [1, 2, 0, 3, 4]), [64, 4, 2])
-        kw0, kw1 = gl.split(x)
-        kw0 = gl.convert_layout(kw0, KW, assert_trivial=True)
-        kw1 = gl.convert_layout(kw1, KW, assert_trivial=True)
-        VLL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-                                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                                       warp_bases=[], block_bases=[], shape=[16, 32])
-        y0, y1 = gl.split(gl.permute(gl.reshape(codes.slice(16, 16).load(VLL), [2, 8, 4, 8]), [2, 1, 3, 0]))
-        vw0 = _tile_words(gl.convert_layout(y0, VW, assert_trivial=True), VS)
-        vw1 = _tile_words(gl.convert_layout(y1, VW, assert_trivial=True), VS)
-    if D == 256:
-        meta = mring.index(st).reshape([8, 32])
-        if TB > 1:
-            # The block's lower 128 scale and zero codes (rows 0 and 2; the segment reads rows 1 and 3).
-            m0 = _ring_meta(meta, 0, 128, True)
-            m1 = _ring_meta(meta, 2, 128, True)
-        else:
-            m0 = _ring_meta(meta, 0, D, False)
-            m1 = _ring_meta(meta, 1, D, False)
-        m2 = _ring_meta(meta, 2, D, False)
-        m3 = _ring_meta(meta, 3, D, False)
-    else:
-        kw2, kw3, vw2, vw3 = kw0, kw1, vw0, vw1
-        meta = mring.index(st).reshape([4, D // 4])
-        m0 = _ring_meta(meta, 0, D, TB > 1)
-        m1 = _ring_meta(meta, 1, D, TB > 1)
-        m2 = _ring_meta(meta, 2, D, False)
-        m3 = _ring_meta(meta, 3, D, False)
-    return kw0, kw1, kw2, kw3, vw0, vw1, vw2, vw3, m0, m1, m2, m3
-
-
-@gluon.jit
-def _ring_meta(meta, i: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
-    """Metadata array i of a stage (D/4 words a tile: one group of 64 channels a token, or a key block's D codes;
-    at head_dim 256 rows 2i and 2i + 1 of 32 words) as _load_meta gives it (words [8, D/32]: row g the bytes of
-    tokens 8g .. 8g + 7), or, BLOCK, as _load_block does (words [4, D/16]: lane t of 4·g + t row t; at head_dim
-    256 the segment reads a block's codes as two halves of D = 128, a row each)."""
-    if D == 256:
-        gl.static_assert(not BLOCK)
-        L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
-                                                     lane_bases=[[0, 0], [0, 0], [0, 8], [0, 16], [1, 0]],
-                                                     warp_bases=[], block_bases=[], shape=[2, 32])
-    elif D == 64:
-        if BLOCK:
-            L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]],
-                                                         lane_bases=[[0, 4], [0, 8], [0, 0], [0, 0], [0, 0]],
-                                                         warp_bases=[], block_bases=[], shape=[1, 16])
-        else:
-            L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1]],
-                                                         lane_bases=[[0, 0], [0, 0], [0, 2], [0, 4], [0, 8]],
-                                                         warp_bases=[], block_bases=[], shape=[1, 16])
-    else:
-        if BLOCK:
-            L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
-                                                         lane_bases=[[0, 8], [0, 16], [0, 0], [0, 0], [0, 0]],
-                                                         warp_bases=[], block_bases=[], shape=[1, 32])
-        else:
-            L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]],
-                                                         lane_bases=[[0, 0], [0, 0], [0, 4], [0, 8], [0, 16]],
-                                                         warp_bases=[], block_bases=[], shape=[1, 32])
-    if BLOCK:
-        W: gl.constexpr = gl.BlockedLayout([1, D // 16], [4, 8], [1, 1], [0, 1])
-        words = gl.reshape(meta.slice(i, 1).load(L), [4, D // 16])
-    else:
-        W: gl.constexpr = gl.BlockedLayout([1, D // 32], [8, 4], [1, 1], [1, 0])
-        R: gl.constexpr = 2 if D == 256 else 1      # the array's rows in the stage
-        words = gl.reshape(meta.slice(R * i, R).load(L), [8, D // 32])
-    return gl.convert_layout(words, W, assert_trivial=True)
