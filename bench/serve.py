@@ -159,7 +159,7 @@ def make_cache(arm: str, model, bundle, batch: int, context: int, steps: int):
         cache = OscarCache(bundle, "oscar", capacity=context + steps + 8, value_layout=VALUE_LAYOUT[0],
                            values_absorbed=arm.endswith("absorbed"))
         for i in range(layers):
-            cache.update(k, v, i)              # outside oscar_attention: written at once, write.prefill_kv
+            cache.update(k, v, i)      # write.prefill_kv as the next layer updates (the last: at the first step)
     torch.cuda.synchronize()
     return cache
 

@@ -39,34 +39,33 @@ what the store holds; the tokens of a multi-token update (prefill, or a prefill 
 stored past plus themselves as computed (in flight).
 
 Reads. Torch: the store dequantized back to original space, [B, H_kv, L, d], each sequence's tokens
-right-aligned (so a left-padded batch lines up with its attention mask). Kernel: inside
-`with oscar_attention(model, cache):` (on CUDA, or kernel_reads=True) a single-token step only counts the
-token, and the attention function writes it and reads the store by triton.decode.decode_step (with the Triton
-writes, one CUDA-graph replay a layer on CUDA; else triton.decode.decode_attention after the write). There, the
-prefill's write waits for the attention function, which sees the attention mask: a sequence's
-leading pads are skipped, so its store starts at its first real token and ragged batches decode by
-kernel with per-sequence lengths. A step that reads by kernel does no host synchronisation and no
-host-to-device copy (bundle tensors are moved to the device once, on the first update), so it can be
-captured in a CUDA graph (oscar_core.decode_graph).
+right-aligned (so a left-padded batch lines up with its attention mask). Kernel (kernel_reads: by default on CUDA;
+True on the CPU under TRITON_INTERPRET=1): a layer the decode kernel can read (serving_problem) answers a decode step
+with two attention.StandIns, and its attend(), which the attention function calls (attention.py: transformers' sdpa
+function is wrapped to do so, so model.generate needs nothing more than the cache), writes the token and reads the
+store by triton.decode.decode_step (with the Triton writes, one CUDA-graph replay a layer on CUDA; else
+triton.decode.decode_attention after the write). There, a multi-token update is held until attend() sees the
+attention mask: a sequence's leading pads are skipped, so its store starts at its first real token and ragged
+batches decode by kernel with per-sequence lengths (an update nothing attends is written as it came when the cache
+is next used). A step that reads by kernel does no host synchronisation and no host-to-device copy (bundle tensors
+are moved to the device once, on the first update), so it can be captured in a CUDA graph (oscar_core.decode_graph).
+Every field of a layer is set by the layer's own methods.
 """
 
 import copy
 import dataclasses
 import math
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from oscar_core import absorb, kvstore, methods
+from oscar_core import kvstore, methods
+from oscar_core.attention import StandIn, install, oscar_attention  # noqa: F401 (oscar_attention: its old home)
 from oscar_core.bundle import fetch_bundle, load_bundle
 from oscar_core.errors import OscarError
 from oscar_core.layers import LayerSpec, holds_int2, layer_specs, manifest_specs
-from oscar_core.statistics import route_attention
-
-ATTENTION_NAME = "oscar_cache"
 
 
 def _triton_write():
@@ -153,10 +152,11 @@ class Sequences:
     counts, and the host's own figures: tokens seen per sequence (pads included, an upper bound of
     every length) and the capacity every store is grown to. counter: the layer that advances them, the first
     to write into a store (a forward pass writes its layers in order; a sliding layer's own SideStores, a BF16
-    ring or a layer of another kind before it never do)."""
+    ring or a layer of another kind before it never do). holder: the layer whose multi-token update waits for
+    its attention mask (OscarLayer.attend); the next layer to update writes it first, if no attention came."""
 
     def __init__(self, capacity: int | None = None):
-        self.lengths = self.counts = self.counter = None
+        self.lengths = self.counts = self.counter = self.holder = None
         self.seen, self.capacity = 0, capacity or 0
         self.static = False     # decode_graph: the kernel's launch grid from the capacity, not from `seen`
 
@@ -178,8 +178,8 @@ class Sequences:
         return self.capacity if self.static else self.seen
 
     def clear(self) -> None:
-        """No sequences: lengths, counts and the counting layer forgotten (capacity and static kept)."""
-        self.lengths = self.counts = self.counter = None
+        """No sequences: lengths, counts, the counting and the holding layer forgotten (capacity and static kept)."""
+        self.lengths = self.counts = self.counter = self.holder = None
         self.seen = 0
 
 
@@ -189,30 +189,34 @@ class OscarLayer(DynamicLayer):
     def __init__(self, method: str, layer_idx: int, bundle=None, sink: int = 64, recent: int = 256,
                  sequences: Sequences | None = None, kernel_writes: bool | None = None,
                  query_heads: int | None = None, window: int | None = None,
-                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT, int2: bool = True, values_absorbed: bool = False):
+                 value_layout: str = kvstore.DEFAULT_VALUE_LAYOUT, values_absorbed: bool = False,
+                 kernel_reads: bool | None = None):
         super().__init__()
         self.method, self.layer_idx, self.bundle = method, layer_idx, bundle
         self.window = window        # a sliding layer's window: a window_cache, or SideStores trimmed to it
-        self.int2 = int2            # False: a window kept whole in BF16 (layers.holds_int2), a store with no INT2 rows
+        self.spec = LayerSpec(window=window)
+        # False: a window kept whole in BF16, a store with no INT2 rows
+        self.int2 = holds_int2(self.spec, sink, recent)
         self.is_sliding = window is not None
         self.query_heads = query_heads
-        self.sink_tokens, self.recent_tokens = sink, recent
+        # A window kept whole in BF16 keeps no sink: every token leaves the window in turn.
+        self.sink_tokens, self.recent_tokens = sink if self.int2 else 0, recent
         self.sequences = sequences or Sequences()
+        self.kernel_reads = kernel_reads      # decode steps read by the decode kernel; None: on CUDA (first update)
         self.kernel_writes = kernel_writes    # None: on CUDA
         self.value_layout = value_layout      # the INT2 store's value codes (kvstore.Int2KVCache)
         self.values_absorbed = values_absorbed    # the model's weights hold R_V and μ_V (absorb.py)
         self.key_store = self.value_store = None    # SideStore mode (bf16, kivi)
         self.store: kvstore.Int2KVCache | None = None
         self.seen = 0
-        self.pending = None         # a multi-token update waiting for the attention mask (oscar_attention)
+        self.held = None            # a multi-token update waiting for its attention mask (attend)
         self.step = None            # a decode step's token, written by the decode kernel's call (decode_attention)
-        self.kernel_reads = False   # set by oscar_attention: single-token steps read by the decode kernel
-        self.deferred = False       # the last update was a decode step whose read is left to the kernel
         self.warned = False         # a decode step meant for the kernel was read in torch (warned once)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         kv_heads, head_dim = key_states.shape[1], key_states.shape[-1]
+        self.shape = (kv_heads, head_dim)
         if self.bundle is not None:
             m = self.bundle.manifest.model
             if (m.num_kv_heads, m.head_dim) != (kv_heads, head_dim):
@@ -223,16 +227,20 @@ class OscarLayer(DynamicLayer):
                                   self.bundle)
         if self.values_absorbed and lm.value is not None:
             lm.value = dataclasses.replace(lm.value, rotation=None, mean=None)
-        problem = store_problem(lm, self.method)
-        if problem is None and self.window is not None and self.int2:
-            problem = window_problem(lm, self.window, self.recent_tokens)
-        self.kernel_problem = problem or kernel_problem(lm, kv_heads, head_dim, self.query_heads, self.method)
+        if self.kernel_reads is None:
+            self.kernel_reads = self.device.type == "cuda"
+        problem = self._problem(lm, "store")
+        self.kernel_problem = problem or self._problem(lm, "read")
         if problem is None:
             self._init_store(lm, kv_heads, head_dim)
         else:
             self.key_store = SideStore(lm.key, self.sink_tokens, self.recent_tokens, lm.token_block)
             self.value_store = SideStore(lm.value, self.sink_tokens, self.recent_tokens, lm.token_block)
         self.is_initialized = True
+
+    def _problem(self, lm: methods.LayerMethod, job: str) -> str | None:
+        return serving_problem(lm, *self.shape, job, spec=self.spec, method=self.method, query_heads=self.query_heads,
+                               sink=self.sink_tokens, recent=self.recent_tokens)
 
     def _init_store(self, lm: methods.LayerMethod, kv_heads: int, head_dim: int) -> None:
         """The layer's rotations, means and clips on the device, once; the Triton write's split rotations."""
@@ -251,9 +259,8 @@ class OscarLayer(DynamicLayer):
         self.value_identity = lm.value.rotation is None   # decode then leaves out õ·R_V^T
         self.group_sizes = (lm.key.group_size, lm.value.group_size)
         self.key_axis, self.token_block = lm.key.axis, lm.token_block
-        self.shape = (kv_heads, head_dim)
         use = self.kernel_writes if self.kernel_writes is not None else dev.type == "cuda"
-        problem = write_problem(lm, head_dim) if use else None
+        problem = self._problem(lm, "write") if use else None
         if use and problem is not None and self.key_axis == "channel":
             warnings.warn(f"OscarCache layer {self.layer_idx}: torch writes ({problem})", stacklevel=2)
         write = _triton_write() if use and problem is None else None
@@ -329,34 +336,68 @@ class OscarLayer(DynamicLayer):
             (keys, values), self.step = self.step, None
             self._write_step(keys, values)
 
+    def _settle(self) -> None:
+        """Write what an update left for attend(), if that call did not come: a decode step's token, and a held
+        multi-token update as it came (its leading pads kept: the torch reads' attention mask hides them)."""
+        self._flush()
+        if self.held is not None:
+            (keys, values), self.held = self.held, None
+            self._release()
+            self.commit(keys, values, None)
+
+    def _release(self) -> None:
+        if self.sequences.holder is self:
+            self.sequences.holder = None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the update, or (reading by kernel) leave it to attend(): a decode step's read, and a multi-token
+        update until its mask is seen. Returns keys and values to attend to, or StandIns of them for attend()."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         if self.key_store is not None:
             return self._update_sides(key_states, value_states)
-        self._flush()
+        holder = self.sequences.holder
+        if holder is not None and holder is not self:
+            holder._settle()        # nothing attended that layer's update: written first, in order
+        self._settle()
         past = self.read(key_states.dtype, self.window and self.window - 1) if n > 1 and self.seen else None
-        self.deferred = n == 1 and self.kernel_reads and self.kernel_problem is None
-        if (self.deferred and self.write is not None and self.seen
+        by_kernel = n == 1 and self.kernel_reads and self.kernel_problem is None
+        if (by_kernel and self.write is not None and self.seen
                 and (self.key_axis == "token" or self.recent_tokens)):
             self._grow(key_states, None)      # the token is written with the read, in one graph (decode_attention)
             self.seen += 1
             self.step = (key_states, value_states)
         elif n > 1 and self.kernel_reads:
-            self.pending = (key_states, value_states)      # committed by oscar_attention, which sees the mask
+            self.held = (key_states, value_states)      # written by attend(), which sees the mask
+            self.sequences.holder = self
         else:
             self.commit(key_states, value_states, None)
         if n == 1 and self.kernel_reads and self.kernel_problem is not None and not self.warned:
             self.warned = True
             warnings.warn(f"OscarCache layer {self.layer_idx}: torch reads ({self.kernel_problem})", stacklevel=2)
-        if self.deferred:
-            return key_states, value_states   # placeholders: oscar_attention reads the store by kernel
+        if by_kernel:           # read by attend(); as tall as the torch read
+            b, (h, d) = key_states.shape[0], self.shape
+            return StandIn.pair(self, key_states, (b, h, min(self.seen, self.window or self.seen), d))
         if n == 1:
             return self.read(key_states.dtype)
-        if past is None:
-            return key_states, value_states
-        return torch.cat([past[0], key_states], dim=-2), torch.cat([past[1], value_states], dim=-2)
+        out = (key_states, value_states) if past is None else (
+            torch.cat([past[0], key_states], dim=-2), torch.cat([past[1], value_states], dim=-2))
+        return out if self.held is None else StandIn.pair(self, key_states, out[0].shape, out)
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+        """The attention of the update just returned as StandIns (attention.dispatcher calls it). A held update is
+        written now, each sequence's leading pads (the mask's, attention_mask [B, 1, q, kv] or None) skipped, and
+        None returned: the caller attends to it. A decode step (query [B, H, 1, d]): its token written and the store
+        read by the decode kernel -> [B, 1, H, d]."""
+        if self.held is not None:
+            (keys, values), self.held = self.held, None
+            self._release()
+            self.commit(keys, values, _mask_starts(attention_mask, keys.shape[-2]))
+            return None
+        if query.shape[2] != 1:
+            return None
+        return self.decode_attention(query[:, :, 0], scaling).to(query.dtype).unsqueeze(1)
 
     def _update_sides(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """A sliding layer of window W returns what get_mask_sizes announces (its last W − 1 tokens, and the new ones)
@@ -366,7 +407,6 @@ class OscarLayer(DynamicLayer):
             past_k, past_v = (st.read(key_states.dtype, None if w is None else w - 1) for st in stores)
         self.key_store.append(key_states)
         self.value_store.append(value_states)
-        self.deferred = False
         if n == 1:
             out = tuple(st.read(key_states.dtype, w) for st in stores)
         elif self.key_store.length() == n:
@@ -392,7 +432,7 @@ class OscarLayer(DynamicLayer):
         skipped at write, are zeros); last: only the last `last` columns (a window's store holds its last N)."""
         if self.key_store is not None:
             return self.key_store.read(dtype, last), self.value_store.read(dtype, last)
-        self._flush()
+        self._settle()
         seq, store = self.sequences, self.store
         if self.seen < seq.seen:        # the first KV layer has counted the update this one is about to write
             lengths = seq.lengths - (seq.counts if seq.counts is not None else seq.seen - self.seen)
@@ -425,13 +465,14 @@ class OscarLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         if self.key_store is not None:
             return self.key_store.length()
-        return self.seen
+        return self.seen + (0 if self.held is None else self.held[0].shape[-2])
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.key_store = self.value_store = self.store = self.pending = self.step = None
+        self._release()
+        self.key_store = self.value_store = self.store = self.held = self.step = None
         self.seen = 0
         self.is_initialized = False
 
@@ -443,6 +484,7 @@ class OscarLayer(DynamicLayer):
 
     def int2_tokens(self) -> int:
         """INT2 tokens of the longest sequence (host count)."""
+        self._settle()
         if self.key_store is not None:
             return self.key_store.n_int2
         if self.window is not None:
@@ -451,6 +493,7 @@ class OscarLayer(DynamicLayer):
         return max(self.seen - self.sink_tokens - self.recent_tokens, 0) // self.token_block * self.token_block
 
     def nbytes(self) -> int:
+        self._settle()
         if self.store is not None:
             return kvstore.allocation_nbytes(t for t in vars(self.store).values()
                                              if isinstance(t, torch.Tensor) and t is not self.store.lengths)
@@ -468,14 +511,15 @@ class OscarCache(Cache):
     (layers.layer_specs: a hybrid model's state layers, sliding windows) or num_layers (every layer global).
     capacity: tokens per sequence each layer's store is allocated for (prompt, pads included, plus
     new tokens); None: the first update's length, grown by half when exceeded.
-    kernel_reads: whether oscar_attention reads decode steps by the Triton kernel; None: when the model
-    is on CUDA (True forces it, e.g. on the CPU under TRITON_INTERPRET=1; False: torch reads always).
+    kernel_reads: whether decode steps are read by the Triton decode kernel (through transformers' sdpa attention
+    function, attention.install, or inside attention.oscar_attention); None: when the model is on CUDA (True forces
+    it, e.g. on the CPU under TRITON_INTERPRET=1; False: torch reads always).
     kernel_writes: whether stores are written by the Triton kernel; None: on CUDA.
     value_layout: how the INT2 stores keep their value codes, "tiles" (the default) or "rows" (kvstore.Int2KVCache:
     the same bytes; in tiles the decode kernels read them with 16-byte loads, faster on every shape measured).
     values_absorbed: the model's v_proj and o_proj hold the bundle's R_V and μ_V (absorb.absorb_value_rotation), so
     values are stored as they come and read without õ·R_V^T; oscar_attention refuses a model and cache that
-    disagree on it.
+    disagree on it (model.generate alone does not check).
     """
 
     @classmethod
@@ -516,16 +560,16 @@ class OscarCache(Cache):
             query_heads = config.get_text_config().num_attention_heads if config is not None else None
             specs = layer_specs(config) if config is not None else [LayerSpec()] * num_layers
         short = [s.window is not None and not holds_int2(s, sink, recent) for s in specs]
-        # Sliding layers of the methods without a store (bf16; kivi's short windows) are BF16 rings. A short window
-        # of the others is a store the decode kernel reads with no sink: every token leaves the window in turn.
+        # Sliding layers of the methods without a store (bf16; kivi's short windows) are BF16 rings; a short window of
+        # the others is a store the decode kernel reads, with no sink (OscarLayer).
         ring = [(s.window is not None and method == "bf16") or (short[i] and method == "kivi")
                 for i, s in enumerate(specs)]
         super().__init__(layers=[
             state_layer() if not s.kv_cache else RingLayer(s.window) if ring[i] else
-            OscarLayer(method, i, bundle, 0 if short[i] else sink, recent, self.sequences, kernel_writes, query_heads,
-                       window=s.window,
-                       value_layout=value_layout, int2=not short[i], values_absorbed=values_absorbed)
+            OscarLayer(method, i, bundle, sink, recent, self.sequences, kernel_writes, query_heads, window=s.window,
+                       value_layout=value_layout, values_absorbed=values_absorbed, kernel_reads=kernel_reads)
             for i, s in enumerate(specs[:num_layers])])
+        install()
 
     def reset(self) -> None:
         """Empty every layer and the sequences they share, for a new batch."""
@@ -558,7 +602,7 @@ class OscarCache(Cache):
             layer.seen += steps
 
     def reads_by_kernel(self) -> bool:
-        """Every layer is initialized and reads its decode steps by kernel (inside oscar_attention)."""
+        """Every layer is initialized and reads its decode steps by kernel."""
         return all(layer.is_initialized and layer.kernel_reads and layer.kernel_problem is None
                    and layer.store is not None for layer in self.kv_layers)
 
@@ -571,6 +615,7 @@ class OscarCache(Cache):
         N − 1 tokens it keeps)."""
         total = sum(layer.nbytes() for layer in self.ring_layers)
         for layer in self.kv_layers:
+            layer._settle()
             if layer.store is not None:
                 b, h, _, d = layer.store.key_sink.shape
             elif layer.key_store is not None and layer.key_store.sink is not None:
@@ -684,52 +729,49 @@ def memory_plan(num_layers: int, kv_heads: int, head_dim: int, context: int, bud
     return out
 
 
-def kernel_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, query_heads: int | None = None,
-                   method: str | None = None) -> str | None:
-    """Why the decode kernel cannot read a layer of this method (None: it can); query_heads None: not known."""
-    problem = store_problem(lm, method)
-    if problem is not None:
-        return problem
-    try:
-        from oscar_core.triton.decode import shape_problem
-    except ImportError:
-        return "triton is not installed"
-    return shape_problem(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size,
-                         lm.key.axis)
-
-
-def store_problem(lm: methods.LayerMethod, method: str | None = None) -> str | None:
-    """Why a layer of this method cannot live in a kvstore.Int2KVCache (None: it can): values per token, keys
-    per token or per channel. The kivi baseline keeps the SideStore (as it was measured)."""
+def serving_problem(lm: methods.LayerMethod, kv_heads: int, head_dim: int, job: str = "read", *,
+                    spec: LayerSpec = LayerSpec(), method: str | None = None, query_heads: int | None = None,
+                    sink: int = methods.SINK_TOKENS, recent: int = methods.RECENT_TOKENS) -> str | None:
+    """Why oscar's store and kernels cannot serve a layer of this method (lm, of `method`) and kind (spec; sink and
+    recent: the BF16 windows), None when they can, for one job:
+        "store"  it lives in a kvstore store: a global layer's Int2KVCache, a sliding layer's window_cache (a window
+                 too short to hold INT2, layers.holds_int2, one with no INT2 rows); else in SideStores, written and
+                 read by torch. Values per token, keys per token or per channel; not the kivi baseline (kept as it
+                 was measured); a window holding INT2 must hold a tile of INT2 rows beside `recent`.
+        "read"   that, and the Triton decode kernel reads it (else torch reads the store); query_heads None: not known.
+        "write"  that, and the Triton write kernels write it (else kvstore's torch reference).
+    """
     if not methods.stored(lm, method):
         return "the kernel reads INT2 values in per-token groups, keys per-token or by a bundle's channel blocks"
-    return None
-
-
-def window_problem(lm: methods.LayerMethod, window: int, recent: int) -> str | None:
-    """Why a sliding layer of this method cannot live in a kvstore.window_cache (None: it can; then
-    layers.window_recent gives its recent BF16 tokens)."""
-    if kvstore.window_split(window, recent, lm.token_block)[0] == 0:
-        return f"a window of {window} tokens holds no tile of INT2 rows beside {recent} BF16 tokens"
-    return None
-
-
-def write_problem(lm: methods.LayerMethod, head_dim: int) -> str | None:
-    """Why the Triton write kernel cannot write a layer (None: it can): power-of-two shapes only."""
-    def pow2(n):
-        return n >= 4 and n & (n - 1) == 0
-    if not pow2(head_dim) or head_dim < 16 or not all(pow2(s.group_size) for s in (lm.key, lm.value)):
-        return "the write kernel needs power-of-two head_dim and group sizes"
-    if lm.key.axis == "channel" and not 16 <= lm.key.group_size <= 256:
-        return "the write kernel quantizes key blocks of 16 to 256 tokens"
-    if lm.key.axis == "channel" and head_dim < 32:
-        return "the write kernel quantizes keys per channel at head_dim 32 or more"
-    write = _triton_write()
-    if write is not None:
-        try:    # the channels a write program takes (R's columns in shared memory) must hold whole groups
-            write.columns(head_dim, tuple(s.group_size for s in (lm.key, lm.value) if s.axis == "token"))
-        except ValueError as e:
-            return str(e)
+    if spec.window is not None and holds_int2(spec, sink, recent) and \
+            kvstore.window_split(spec.window, recent, lm.token_block)[0] == 0:
+        return f"a window of {spec.window} tokens holds no tile of INT2 rows beside {recent} BF16 tokens"
+    if job == "read":
+        try:
+            from oscar_core.triton.plan import shape_problem
+        except ImportError:
+            return "triton is not installed"
+        problem = shape_problem(query_heads or kv_heads, kv_heads, head_dim, lm.key.group_size, lm.value.group_size,
+                                lm.key.axis)
+        if problem is not None:
+            return problem
+    elif job == "write":
+        def pow2(n):
+            return n >= 4 and n & (n - 1) == 0
+        if not pow2(head_dim) or head_dim < 16 or not all(pow2(s.group_size) for s in (lm.key, lm.value)):
+            return "the write kernel needs power-of-two head_dim and group sizes"
+        if lm.key.axis == "channel" and not 16 <= lm.key.group_size <= 256:
+            return "the write kernel quantizes key blocks of 16 to 256 tokens"
+        if lm.key.axis == "channel" and head_dim < 32:
+            return "the write kernel quantizes keys per channel at head_dim 32 or more"
+        write = _triton_write()
+        if write is not None:
+            try:    # the channels a write program takes (R's columns in shared memory) must hold whole groups
+                write.columns(head_dim, tuple(s.group_size for s in (lm.key, lm.value) if s.axis == "token"))
+            except ValueError as e:
+                return str(e)
+    elif job != "store":
+        raise ValueError(f"serving_problem job must be store, read or write, not {job!r}")
     return None
 
 
@@ -744,61 +786,3 @@ def _mask_starts(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
     if not bool((keep.int().diff(dim=-1) >= 0).all()):
         raise OscarError("OscarCache skips leading pads only: the attention mask has a gap after a real token")
     return (n - keep.sum(-1)).to(torch.int32)
-
-
-@contextmanager
-def oscar_attention(model, cache: OscarCache):
-    """Attention of `model` reading `cache` by the Triton decode kernel on single-token steps.
-
-    Inside, every attention layer runs exact sdpa, except a decode step (one query token) of a layer the kernel
-    can read (kernel_problem), which writes the step's token and runs the decode kernel on the layer's store
-    (OscarLayer.decode_attention) instead of dequantizing it; the decode step then needs no attention mask (the
-    store knows each sequence's length), so none is built. A multi-token update is written once this function
-    sees its mask, skipping each sequence's leading pads. Nothing is changed unless the cache reads by kernel
-    (kernel_reads, or by default a model on CUDA).
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    held = getattr(model.config, absorb.MARK, None)
-    if bool(held) != cache.values_absorbed:
-        raise OscarError(f"the model's weights hold R_V of {held}: make the cache with values_absorbed=True" if held
-                         else "the cache has values_absorbed=True but the model's weights do not hold R_V "
-                              "(absorb.absorb_value_rotation)")
-    use = cache.kernel_reads if cache.kernel_reads is not None else model.device.type == "cuda"
-    if not use:
-        yield
-        return
-
-    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        layer = cache.layers[module.layer_idx]
-        scaling = scaling or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-        if not isinstance(layer, OscarLayer):   # a BF16 ring: exact sdpa under the model's sliding mask
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        if layer.pending is not None:
-            k, v = layer.pending
-            layer.pending = None
-            layer.commit(k, v, _mask_starts(attention_mask, k.shape[-2]))
-        if query.shape[2] == 1 and layer.deferred:
-            out = layer.decode_attention(query[:, :, 0], float(scaling))
-            return out.to(query.dtype).unsqueeze(1), None          # [B, 1, H, d]
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-    def mask(*args, **kwargs):
-        if kwargs.get("q_length") == 1 and cache.reads_by_kernel() and not cache.ring_layers:
-            return None
-        return sdpa_mask(*args, **kwargs)
-
-    for layer in cache.kv_layers:
-        layer.kernel_reads = True
-    AttentionMaskInterface.register(ATTENTION_NAME, mask)
-    try:
-        with route_attention(model, ATTENTION_NAME, attention):
-            yield
-    finally:
-        for layer in cache.kv_layers:
-            layer.kernel_reads = layer.deferred = False
-        # The registries are global: leave nothing there that keeps this cache (and its memory) alive.
-        from transformers import AttentionInterface
-        AttentionInterface.register(ATTENTION_NAME, sdpa_attention_forward)
-        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

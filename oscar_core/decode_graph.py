@@ -1,6 +1,6 @@
 """Greedy generation whose decode steps replay one captured CUDA graph (the StaticCache pattern).
 
-A decode step through an OscarCache read by kernel (cache.oscar_attention) has static shapes and
+A decode step through an OscarCache read by kernel (attention.py) has static shapes and
 addresses: each layer's store is preallocated for prompt + new tokens (OscarCache.reserve), the decode
 kernel's launch grid is planned from that capacity (Sequences.static), the lengths live on the device,
 and no mask is built. So the whole forward (embedding, every layer's append and attention, the head)
@@ -19,7 +19,8 @@ from contextlib import ExitStack
 
 import torch
 
-from oscar_core.cache import OscarCache, oscar_attention
+from oscar_core.attention import oscar_attention
+from oscar_core.cache import OscarCache
 from oscar_core.errors import OscarError
 from oscar_core.models import cache_argument
 

@@ -7,7 +7,7 @@ Needle (generation through OscarCache): a pass key is hidden at relative depth Î
 held-out filler and asked back at the end. The prompt but its last token is prefilled once (exact
 attention, as a serving engine's prefill), its K/V are written into each method's OscarCache, and
 model.generate decodes the last prompt token and the answer through that cache (on CUDA, read by the
-Triton decode kernel: cache.oscar_attention); exact match of the key.
+Triton decode kernel: attention.py); exact match of the key.
 """
 
 import math
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from oscar_core import methods
-from oscar_core.cache import OscarCache, exact_cache, fill, oscar_attention
+from oscar_core.attention import oscar_attention
+from oscar_core.cache import OscarCache, exact_cache, fill
 from oscar_core.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
 from oscar_core.errors import OscarError, UsageError
 from oscar_core.metrics import bucket_figures

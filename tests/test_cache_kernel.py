@@ -1,4 +1,5 @@
-"""OscarCache written by the Triton write kernels and read by the decode kernel (oscar_attention) against
+"""OscarCache written by the Triton write kernels and read by the decode kernel (through transformers' attention
+function, attention.py) against
 the torch reference; the write kernels against kvstore's reference.
 
 Run on the CPU through Triton's interpreter (see tests/test_triton_kernels.py for the import dance)."""
@@ -18,6 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from oscar_core import kvstore, quant  # noqa: E402
+from oscar_core.attention import StandIn  # noqa: E402
 from oscar_core.cache import OscarCache, oscar_attention  # noqa: E402
 from oscar_core.errors import OscarError  # noqa: E402
 from oscar_core.triton import decode, decode_programs, write  # noqa: E402
@@ -163,7 +165,7 @@ def test_left_padded_batch_decodes_by_kernel():
     cache = make_cache("oscar", bundle, True)
     with oscar_attention(model, cache):
         got = decode_logits(model, cache, ids, steps=3, mask=mask)
-    assert cache.layers[1].store.lengths.tolist() == [43, 28] and cache.reads_by_kernel() is False  # exited
+    assert cache.layers[1].store.lengths.tolist() == [43, 28] and cache.reads_by_kernel()
     for b, start in ((0, 0), (1, 15)):
         alone = make_cache("oscar", bundle, False)
         want = decode_logits(model, alone, ids[b:b + 1, start:], steps=3)
@@ -258,19 +260,19 @@ def test_graph_replays_window_stores():
 
 
 def test_a_decode_step_left_unread_is_written_before_the_store_is_read():
-    """Inside oscar_attention update() leaves a decode step's token for the kernel's read to write (decode_step); a
-    torch read (or the next update) that comes first writes it, so the store holds what a plain update writes."""
+    """Reading by kernel, update() leaves a decode step's token for the kernel's read to write (decode_step); a
+    torch read (or the next update) that comes first writes it, so the store holds what a plain update writes (the
+    same Triton writes, torch reads)."""
     model = tiny_llama()
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(16)).to(DEVICE)
-    caches = [make_cache("oscar", random_bundle(4, 16), True) for _ in range(2)]
+    caches = [OscarCache(random_bundle(4, 16), "oscar", num_layers=LAYERS, sink_tokens=4, recent_tokens=16,
+                         kernel_reads=reads, kernel_writes=True) for reads in (True, False)]
     for cache in caches:
-        with oscar_attention(model, cache):
-            model(ids, past_key_values=cache)
+        model(ids, past_key_values=cache)
     layer, twin = (c.layers[0] for c in caches)
     k, v = (torch.randn(2, KV_HEADS, 1, HEAD_DIM, generator=torch.Generator().manual_seed(i)).to(DEVICE)
             for i in range(2))
-    layer.kernel_reads = True
-    layer.update(k, v)
+    assert all(isinstance(t, StandIn) for t in layer.update(k, v))
     assert layer.step is not None and layer.get_seq_length() == 31
     want = twin.update(k, v)
     got = layer.read(torch.float32)
@@ -314,8 +316,7 @@ def test_decode_steps_at_fixed_addresses_replay_the_write_with_the_read(axis, mo
         for t in (q, k, v):
             t.copy_(torch.randn(t.shape, generator=gen))
         for one in (layer, twin):
-            one.kernel_reads = True
-            assert one.update(k, v)[0] is k and one.step is not None
+            assert isinstance(one.update(k, v)[0], StandIn) and one.step is not None
         replayed.clear()
         got = layer.decode_attention(q, HEAD_DIM ** -0.5)
         entries = [entry for key, entry in layer.store.graphs.items() if key[0] == "step"]
@@ -343,7 +344,7 @@ def test_kernel_reads_fall_back():
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     with oscar_attention(model, cache):
         decode_logits(model, cache, ids, steps=1)
-    assert "per-token" in cache.layers[0].kernel_problem and not cache.layers[0].deferred
+    assert "per-token" in cache.layers[0].kernel_problem and cache.layers[0].key_store is not None
     off = OscarCache(None, "int2", num_layers=LAYERS, kernel_reads=False)
     with oscar_attention(model, off):
         assert model.config._attn_implementation == "sdpa"         # nothing routed
@@ -605,11 +606,15 @@ def test_write_kernels_at_head_dim_256(axis, layout):
 
 def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     from oscar_core import methods
-    from oscar_core.cache import kernel_problem, write_problem
+    from oscar_core.cache import serving_problem
+    from oscar_core.layers import LayerSpec
+
+    def write_problem(lm, head_dim):
+        return serving_problem(lm, 2, head_dim, "write")
 
     lm = methods.layer_method("int2", 0, 2, 256, None)
-    assert kernel_problem(lm, 2, 256, query_heads=16) is None
-    assert "16 query heads per KV head" in kernel_problem(lm, 2, 256, query_heads=40)
+    assert serving_problem(lm, 2, 256, query_heads=16) is None
+    assert "16 query heads per KV head" in serving_problem(lm, 2, 256, query_heads=40)
     assert write_problem(lm, 256) is None       # two programs a head, 128 channels each (write.columns)
     wide = methods.LayerMethod(methods.Side(256), methods.Side(64))
     assert "groups of up to 128 channels" in write_problem(wide, 256)
@@ -625,7 +630,13 @@ def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
     channel = methods.LayerMethod(methods.Side(16, "channel"), lm.value)
     assert write_problem(channel, 64) is None and "head_dim 32" in write_problem(channel, 16)
     lm = methods.layer_method("int2", 0, 2, 192, None)
-    assert "head_dim 64, 128 or 256" in kernel_problem(lm, 2, 192)
+    assert "head_dim 64, 128 or 256" in serving_problem(lm, 2, 192)
+    kivi = methods.layer_method("kivi", 0, 2, 64, None)
+    assert "per-token groups" in serving_problem(kivi, 2, 64, "store", method="kivi")
+    lm = methods.layer_method("int2", 0, 2, 64, None)
+    for window, problem in ((48, "no tile of INT2 rows"), (100, None), (8, None)):  # INT2 over 2·(4 + 16) tokens
+        got = serving_problem(lm, 2, 64, "store", spec=LayerSpec(window=window), sink=4, recent=16)
+        assert got == problem if problem is None else problem in got, window
 
 
 def test_channel_key_write_kernels_match_reference():
@@ -704,12 +715,12 @@ def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
     """Key blocks of 32 tokens: the decode kernel refuses them (plan.shape_problem, the one place that decides,
     before any launch), so the layer reads in torch with one warning; its Triton writes still match the torch ones."""
     from oscar_core import methods
-    from oscar_core.cache import kernel_problem
+    from oscar_core.cache import serving_problem
 
     model = tiny_llama()
     bundle = random_bundle(4, 16, channel_layers=(0, 1), key_group=32)
     lm = methods.layer_method("oscar", 0, KV_HEADS, HEAD_DIM, bundle)
-    assert "key blocks of 64, 128 or 256 tokens" in kernel_problem(lm, KV_HEADS, HEAD_DIM, HEADS)
+    assert "key blocks of 64, 128 or 256 tokens" in serving_problem(lm, KV_HEADS, HEAD_DIM, query_heads=HEADS)
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(13)).to(DEVICE)
     want = decode_logits(model, make_cache("oscar", bundle, False), ids, steps=3)
     cache = make_cache("oscar", bundle, True)

@@ -674,7 +674,7 @@ def _byte_order(D: tl.constexpr):
     """The channel that row m of a transposed key block [D, G] holds (_quantize_columns): with
     m = (D/2)·a + 16·w + 8·b + g (g < 8), channel 4·(8w + g) + 2a + b. The four channels of packed byte
     8w + g then lie in rows m, m + 8, m + D/2, m + D/2 + 8, which the tensor cores' accumulator gives to
-    one thread: codes pack without crossing threads. Needs D ≥ 32 (cache.write_problem)."""
+    one thread: codes pack without crossing threads. Needs D ≥ 32 (cache.serving_problem)."""
     m = tl.arange(0, D)
     r = m % (D // 2)
     return 4 * (8 * (r // 16) + r % 8) + 2 * (m // (D // 2)) + (r // 8) % 2
