@@ -199,8 +199,9 @@ class OscarLayer(DynamicLayer):
         self.int2 = holds_int2(self.spec, sink, recent)
         self.is_sliding = window is not None
         self.query_heads = query_heads
+        self.windows = (sink, recent)   # the BF16 sink and recent window the method asks for (serving_problem)
         # A window kept whole in BF16 keeps no sink: every token leaves the window in turn.
-        self.sink_tokens, self.recent_tokens = sink if self.int2 else 0, recent
+        self.sink_tokens, self.recent_tokens = sink if self.int2 or window is None else 0, recent
         self.sequences = sequences or Sequences()
         self.kernel_reads = kernel_reads      # decode steps read by the decode kernel; None: on CUDA (first update)
         self.kernel_writes = kernel_writes    # None: on CUDA
@@ -240,7 +241,7 @@ class OscarLayer(DynamicLayer):
 
     def _problem(self, lm: methods.LayerMethod, job: str) -> str | None:
         return serving_problem(lm, *self.shape, job, spec=self.spec, method=self.method, query_heads=self.query_heads,
-                               sink=self.sink_tokens, recent=self.recent_tokens)
+                               sink=self.windows[0], recent=self.windows[1])
 
     def _init_store(self, lm: methods.LayerMethod, kv_heads: int, head_dim: int) -> None:
         """The layer's rotations, means and clips on the device, once; the Triton write's split rotations."""

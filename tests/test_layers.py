@@ -204,9 +204,9 @@ def test_long_window_layer_holds_int2_and_decodes_as_simulated():
 
 
 def test_short_window_store_decodes_as_simulated():
-    """A window of 8 (not over 2·(sink + recent)) is a window store with no INT2 rows, the sink and 8 BF16 slots:
+    """A window of 8 (not over 2·(sink + recent)) is a window store with no INT2 rows and no sink, 8 BF16 slots:
     decoding past the window, each token's logits equal simulate's, which reads that layer in BF16, and the cache
-    holds the sink and the window, its bytes whole from the first update."""
+    holds the window, its bytes whole from the first update."""
     from oscar_core import kvstore
 
     model = tiny_sliding_model("gemma3", WINDOW)
@@ -216,8 +216,8 @@ def test_short_window_store_decodes_as_simulated():
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     for layer in cache.layers[::2]:
         assert layer.store.key_codes.shape[2] == 0 and layer.int2_tokens() == 0 and layer.get_seq_length() == 40
-        assert layer.nbytes() == kvstore.store_nbytes(1, 1 + WINDOW, layer.shape[0], head_dim, *layer.group_sizes,
-                                                      sink_tokens=1, recent_tokens=WINDOW, rows=0) - 4
+        assert layer.sink_tokens == 0 and layer.nbytes() == kvstore.store_nbytes(
+            1, WINDOW, layer.shape[0], head_dim, *layer.group_sizes, sink_tokens=0, recent_tokens=WINDOW, rows=0) - 4
 
 
 def test_window_store_decodes_as_simulated():
