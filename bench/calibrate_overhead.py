@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from oscar_core.data import load_samples
-from oscar_core.models import load_model, resolve_device
-from oscar_core.statistics import AttentionStatistics, observe_attention
+from oscar_core.calibrate.data import load_samples
+from oscar_core.calibrate.models import load_model, resolve_device
+from oscar_core.calibrate.statistics import AttentionStatistics, observe_attention
 
 
 def timed(fn, device: str) -> float:

@@ -109,6 +109,6 @@ def attention_for(arm: str, model):
     as a hub kernel); every other arm keeps the model's sdpa (OscarCache's arms route inside GreedyDecoder)."""
     from contextlib import nullcontext
 
-    from oscar_core.statistics import route_attention
+    from oscar_core.calibrate.statistics import route_attention
 
     return route_attention(model, "bench_gqa_sdpa", flash_attention) if arm == "bf16-flash" else nullcontext()

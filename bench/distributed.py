@@ -87,7 +87,7 @@ def random_model(name: str, gpus: list[int], dtype: torch.dtype, cpu: bool = Fal
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoModelForCausalLM
 
-    from oscar_core.models import gpu_memory, plan_device_map
+    from oscar_core.calibrate.models import gpu_memory, plan_device_map
 
     config = config_of(name)
     with init_empty_weights(include_buffers=False):
@@ -123,10 +123,10 @@ def random_model(name: str, gpus: list[int], dtype: torch.dtype, cpu: bool = Fal
 
 def worker(args) -> None:
     """One calibration process (world 1, or one rank of torchrun's group)."""
-    from oscar_core import distributed
-    from oscar_core.bundle import ModelInfo
-    from oscar_core.calibration import CalibrationRequest, calibrate
-    from oscar_core.models import LoadedModel, attention_facts, config_hash
+    from oscar_core.calibrate import distributed
+    from oscar_core.calibrate.calibration import CalibrationRequest, calibrate
+    from oscar_core.calibrate.models import LoadedModel, attention_facts, config_hash
+    from oscar_core.formats.bundle import ModelInfo
 
     group = distributed.from_env()
     cpu = args.device == "cpu"
@@ -207,7 +207,7 @@ def deviation(a_dir: Path, b_dir: Path) -> dict:
 
 
 def export_time(calib: Path, zoo: Path, workers: int) -> dict:
-    from oscar_core.export import export_bundle
+    from oscar_core.calibrate.export import export_bundle
 
     t0 = time.perf_counter()
     path, manifest = export_bundle(calib, zoo, workers=workers)
@@ -243,7 +243,7 @@ def smoke(args, work: Path) -> dict:
     byte_tokenizer().save_pretrained(model_dir)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     out = {}
-    killed = ("import sys; from oscar_core import distributed; from oscar_core.errors import OscarError\n"
+    killed = ("import sys; from oscar_core.calibrate import distributed; from oscar_core.errors import OscarError\n"
               "try: distributed.launch(sys.argv[1:], 2, module='rank_fault')\n"
               "except OscarError as e: print('error:', e, file=sys.stderr); sys.exit(1)")
     for name, entry in (("cli", ["-m", "oscar_cli"]), ("rank_killed", ["-c", killed])):
@@ -304,8 +304,8 @@ def bench(args) -> None:
                 from accelerate import init_empty_weights
                 from transformers import AutoModelForCausalLM
 
+                from oscar_core.calibrate.models import gpu_memory, plan_device_map
                 from oscar_core.errors import OscarError
-                from oscar_core.models import gpu_memory, plan_device_map
 
                 if args.device != "cpu":  # what one GPU says to a model larger than it
                     with init_empty_weights():

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from bench.common import wall
-from oscar_core.bundle import load_bundle
-from oscar_core.cache import OscarCache, oscar_attention
+from oscar_core.formats.bundle import load_bundle
+from oscar_core.serve.cache import OscarCache, oscar_attention
 
 ARMS = ("oscar", "bf16")
 PROFILE_AFTER = 8      # the steps the profile leaves out (the graphs are captured on the first two)

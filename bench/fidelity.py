@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from oscar_core.bundle import load_bundle
-from oscar_core.calibration import read_statistics
-from oscar_core.data import DEFAULT_HELDOUT, load_samples
-from oscar_core.derive import CLIP_GRID, KEY_CLIP_FLOOR, derive_keys, derive_values
-from oscar_core.fidelity import capture_attention, key_error, value_error
-from oscar_core.models import load_model
+from oscar_core.calibrate.calibration import read_statistics
+from oscar_core.calibrate.data import DEFAULT_HELDOUT, load_samples
+from oscar_core.calibrate.derive import CLIP_GRID, KEY_CLIP_FLOOR, derive_keys, derive_values
+from oscar_core.calibrate.models import load_model
+from oscar_core.evaluate.fidelity import capture_attention, key_error, value_error
+from oscar_core.formats.bundle import load_bundle
 from oscar_core.rotations import label
 
 VARIANTS = ["none", "hadamard", "eigen", "eigen-hadamard", "oscar"]

@@ -4,7 +4,7 @@ context, prefill through the model, then greedy decoding; time, tokens per secon
 Each (context, batch) point runs these arms on the same prompts (B windows of the held-out text that ships with
 oscar, one token stream cycled from B offsets when the text is shorter than B·context):
   bf16-static   transformers StaticCache, prefill through the model with a DynamicCache (flash SDPA, causal)
-                copied in, then every decode step one CUDA-graph replay (oscar_core.decode_graph)
+                copied in, then every decode step one CUDA-graph replay (oscar_core.serve.decode_graph)
   bf16-flash    the same cache and graph, attention as flash SDPA over the whole buffer (bench.serve's
                 stand-in for the best BF16 step: its time, not its tokens, which read the few unwritten slots)
   oscar-graph   OscarCache(bundle, "oscar") inside oscar_attention: the prefill writes the INT2 stores
@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 from bench.common import GIB, attention_for, utc_now
-from oscar_core.bundle import load_bundle
-from oscar_core.cache import OscarCache, oscar_attention
-from oscar_core.data import heldout_prompts
-from oscar_core.decode_graph import GreedyDecoder
+from oscar_core.calibrate.data import heldout_prompts
+from oscar_core.calibrate.models import load_model
 from oscar_core.errors import OscarError
+from oscar_core.formats.bundle import load_bundle
 from oscar_core.metrics import same_prefix
-from oscar_core.models import load_model
+from oscar_core.serve.cache import OscarCache, oscar_attention
+from oscar_core.serve.decode_graph import GreedyDecoder
 ARMS = ("bf16-static", "bf16-flash", "oscar-graph", "oscar-eager", "bf16-generate")
 
 

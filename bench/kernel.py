@@ -299,7 +299,7 @@ def replaced(pins=None, **fields):
 
 
 def absorbed_call(q, cache, key_rotation, value_rotation, value_mean, scaling, **kw):
-    """The call of a model whose v_proj / o_proj hold R_V and μ_V (oscar_core.absorb): the output õ stays in the
+    """The call of a model whose v_proj / o_proj hold R_V and μ_V (oscar_core.serve.absorb): the output õ stays in the
     values' stored space, no õ·R_V^T in the reduce."""
     return decode.decode_attention(q, cache, key_rotation, None, None, scaling, **kw)
 

@@ -1,6 +1,6 @@
 """How far rebuilds of the default bundle move from the committed one: across CPU instruction sets (torch's
 ATEN_CPU_CAPABILITY) and across calibration seeds. The tolerances of oscar_core/equivalence.py and the verify
-margins of oscar_core/zoo.py are set from these figures.
+margins of oscar_core/publish/zoo.py are set from these figures.
 
     .venv/bin/python -m bench.reproducibility --work runs/repro --out bench/results/reproducibility.md
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from oscar_core import zoo
-from oscar_core.bundle import load_bundle
 from oscar_core.equivalence import TOLERANCES, kind_of, tensor_deviation
+from oscar_core.formats.bundle import load_bundle
+from oscar_core.publish import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,9 +78,9 @@ def main() -> None:
     same_machine = zoo.differences(args.work / f"{native}-s0" / "zoo" / NAME / "v1",
                                    args.work / f"{native}-s0-again" / "zoo" / NAME / "v1") == []
 
-    from oscar_core.data import load_samples
-    from oscar_core.models import load_model
-    from oscar_core.verify import VERIFY_FILE, measure_figures
+    from oscar_core.calibrate.data import load_samples
+    from oscar_core.calibrate.models import load_model
+    from oscar_core.evaluate.verify import VERIFY_FILE, measure_figures
 
     committed_dir = ROOT / "zoo" / NAME / "v1"
     committed = load_bundle(committed_dir)
@@ -105,7 +105,7 @@ def main() -> None:
 
 
 def write_report(path: Path, rows: list[dict], recorded: dict, native: str, same_machine: bool) -> None:
-    from oscar_core.zoo import VERIFY_MARGINS
+    from oscar_core.publish.zoo import VERIFY_MARGINS
 
     kinds = sorted(rows[0]["kinds"])
     isa = [r for r in rows if r["seed"] == 0]
@@ -162,7 +162,8 @@ def write_report(path: Path, rows: list[dict], recorded: dict, native: str, same
     for r in rows:
         lines.append(f"| {r['capability']}, seed {r['seed']} | {r['verify_s']} | "
                      + " | ".join(f"{r['figures'][n]:.4f} ({r['figures'][n] - recorded[n]:+.4f})" for n in names) + " |")
-    lines += ["", "| verify margin (`oscar_core/zoo.py`) | | " + " | ".join(f"{VERIFY_MARGINS[n]:g}" for n in names)
+    lines += ["", "| verify margin (`oscar_core/publish/zoo.py`) | | "
+              + " | ".join(f"{VERIFY_MARGINS[n]:g}" for n in names)
               + " |", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

@@ -18,8 +18,8 @@ Arms, every one in this run, at each (context, batch) point:
                  not its output; a sliding layer is a ring of its N slots written in place (FlashRing: transformers'
                  static sliding layer rolls its whole buffer every step and cannot be captured)
   int2-eager     OscarCache("oscar") inside oscar_attention, eager decode steps
-  int2-graph     the same, each decode step one CUDA-graph replay (oscar_core.decode_graph)
-  int2-graph-absorbed  (--absorb-values) int2-graph with R_V and μ_V in v_proj / o_proj (oscar_core.absorb,
+  int2-graph     the same, each decode step one CUDA-graph replay (oscar_core.serve.decode_graph)
+  int2-graph-absorbed  (--absorb-values) int2-graph with R_V and μ_V in v_proj / o_proj (oscar_core.serve.absorb,
                  OscarCache(values_absorbed=True)): run after every other arm, on the model changed in place
                  (exact: the max-batch bf16-flash point, run after it, reads the same model)
 --compile: every arm with the model's norms and MLPs compiled (torch.compile, as transformers' compiled generation
@@ -52,10 +52,10 @@ import torch
 
 from bench.common import GIB, attention_for, utc_now
 from oscar_core import kvstore
-from oscar_core.cache import OscarCache, memory_plan
-from oscar_core.decode_graph import GreedyDecoder, compile_shared_parts
 from oscar_core.layers import layer_specs
 from oscar_core.layers import windows as specs_windows
+from oscar_core.serve.cache import OscarCache, memory_plan
+from oscar_core.serve.decode_graph import GreedyDecoder, compile_shared_parts
 ARMS = ("bf16-dynamic", "bf16-static", "bf16-flash", "int2-eager", "int2-graph")
 SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
          "aten::_local_scalar_dense"}
@@ -242,7 +242,7 @@ def run_point(model, bundle, arm: str, batch: int, context: int, steps: int) -> 
 def time_prefill(model, bundle, arm: str, context: int, batch: int = 1) -> dict:
     from transformers import DynamicCache
 
-    from oscar_core.cache import oscar_attention
+    from oscar_core.serve.cache import oscar_attention
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -365,7 +365,7 @@ def main():
     res["points"] = []
     for absorbed in (False, True) if args.absorb_values else (False,):
         if absorbed:
-            from oscar_core.absorb import absorb_value_rotation
+            from oscar_core.serve.absorb import absorb_value_rotation
             absorb_value_rotation(model, bundle)
         for point in args.points.split(","):
             context, batch = map(int, point.split("x"))

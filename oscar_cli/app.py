@@ -6,7 +6,7 @@ import sys
 import typer
 
 from oscar_cli.ui import err_console
-from oscar_core.distributed import LAUNCHED, record_error
+from oscar_core.calibrate.distributed import LAUNCHED, record_error
 from oscar_core.errors import OscarError, UsageError
 
 app = typer.Typer(

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import typer
 
-from oscar_core.bundle import NAME, VERSION
 from oscar_core.errors import OscarError
-from oscar_core.fileio import check_name
+from oscar_core.formats.bundle import NAME, VERSION
+from oscar_core.formats.fileio import check_name
 
 
 def in_range(low: float | None = None, high: float | None = None, above: bool = False):

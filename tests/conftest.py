@@ -55,7 +55,7 @@ def tiny_sliding_model(kind: str, window: int = 8, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def default_model():
-    from oscar_core.models import load_model
+    from oscar_core.calibrate.models import load_model
 
     return load_model(None)
 

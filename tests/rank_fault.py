@@ -4,7 +4,7 @@ when its second forward pass reaches the first attention layer: a rank that dies
 import os
 import signal
 
-from oscar_core.statistics import AttentionStatistics
+from oscar_core.calibrate.statistics import AttentionStatistics
 
 if os.environ.get("RANK") == "1":
     observe = AttentionStatistics.observe

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import tiny_model, tiny_sliding_model
-from oscar_core import absorb
-from oscar_core.cache import OscarCache, oscar_attention
 from oscar_core.errors import OscarError
+from oscar_core.serve import absorb
+from oscar_core.serve.cache import OscarCache, oscar_attention
 
 
 def orthogonal(n, d, gen):
@@ -142,7 +142,7 @@ def test_refusals_change_nothing():
 def test_real_model_keeps_its_logits_and_int2_decode(default_model):
     """SmolLM2-135M with its zoo bundle: the absorbed model's logits are the original's, and decode steps through
     OscarCache(values_absorbed=True) read what OscarCache read from the original (400 tokens: INT2 rows in use)."""
-    from oscar_core.bundle import load_bundle
+    from oscar_core.formats.bundle import load_bundle
 
     model = default_model.model
     bundle = load_bundle("zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1")

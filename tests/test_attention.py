@@ -15,10 +15,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from oscar_core.attention import StandIn, oscar_attention  # noqa: E402
-from oscar_core.cache import OscarCache, OscarLayer, Sequences  # noqa: E402
-from oscar_core.models import cache_argument  # noqa: E402
-from oscar_core.statistics import route_attention  # noqa: E402
+from oscar_core.calibrate.models import cache_argument  # noqa: E402
+from oscar_core.calibrate.statistics import route_attention  # noqa: E402
+from oscar_core.serve.attention import StandIn, oscar_attention  # noqa: E402
+from oscar_core.serve.cache import OscarCache, OscarLayer, Sequences  # noqa: E402
 
 BUNDLE = Path(__file__).resolve().parents[1] / "zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,9 +5,9 @@ import pytest
 import torch
 from tiny_bundle import write_tiny_bundle
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, load_bundle, read_manifest
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_dir
+from oscar_core.formats.bundle import MANIFEST_FILE, TENSOR_FILE, load_bundle, read_manifest
+from oscar_core.formats.fileio import atomic_write_dir
 
 
 def test_roundtrip_and_determinism(tmp_path):

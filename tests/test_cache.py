@@ -4,11 +4,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar_core import methods
-from oscar_core.bundle import load_bundle
 from oscar_core import kvstore
-from oscar_core.cache import OscarCache, OscarLayer, Sequences, memory_plan
 from oscar_core.errors import OscarError
+from oscar_core.formats.bundle import load_bundle
+from oscar_core.serve import methods
+from oscar_core.serve.cache import OscarCache, OscarLayer, Sequences, memory_plan
 
 BUNDLE = Path(__file__).resolve().parents[1] / "zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1"
 
@@ -158,7 +158,7 @@ def test_generate_with_oscar_cache_answers_like_bf16(default_model):
 def test_int2_store_decodes_as_the_simulation():
     """Token-by-token decode through the int2 store (identity rotation: its BF16 ring holds the tokens' BF16
     copies, from which leaving tokens are quantized) reads what simulate.simulated_attention gives each position."""
-    from oscar_core.simulate import simulated_attention
+    from oscar_core.serve.simulate import simulated_attention
 
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(1, 6, 60, 64, generator=g), torch.randn(1, 3, 60, 64, generator=g), torch.randn(1, 3, 60, 64,
@@ -183,8 +183,8 @@ def test_mixed_bundle_decodes_as_the_simulation(tmp_path):
     keys, the simulation to BF16 ones (4e-4)."""
     import transformers as tf
 
-    from oscar_core.bundle import LayerQuant
-    from oscar_core.simulate import simulate_int2
+    from oscar_core.formats.bundle import LayerQuant
+    from oscar_core.serve.simulate import simulate_int2
     from tiny_bundle import HEAD_DIM, KV_HEADS, LAYERS, write_tiny_bundle
 
     write_tiny_bundle(tmp_path)

@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from oscar_core import kvstore, quant  # noqa: E402
-from oscar_core.attention import StandIn  # noqa: E402
-from oscar_core.cache import OscarCache, oscar_attention  # noqa: E402
 from oscar_core.errors import OscarError  # noqa: E402
+from oscar_core.serve.attention import StandIn  # noqa: E402
+from oscar_core.serve.cache import OscarCache, oscar_attention  # noqa: E402
 from oscar_core.triton import decode, decode_programs, write  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(write._append_kernel, triton.runtime.interpreter.InterpretedFunction):
@@ -134,7 +134,7 @@ def test_kernel_reads_match_torch_reads(method):
 def test_kernel_reads_an_absorbed_model():
     """R_V in the weights (absorb.py): decode steps read by kernel without õ·R_V^T match the torch reads of the same
     cache and the logits of the cache that rotates the values itself."""
-    from oscar_core.absorb import absorb_value_rotation
+    from oscar_core.serve.absorb import absorb_value_rotation
 
     model, bundle = tiny_llama(), random_bundle(4, 16)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -188,8 +188,8 @@ def test_greedy_decoder_eager_matches_generate():
     transformers takes (no deprecation warning)."""
     import warnings
 
-    from oscar_core.decode_graph import greedy_generate
-    from oscar_core.models import cache_argument
+    from oscar_core.calibrate.models import cache_argument
+    from oscar_core.serve.decode_graph import greedy_generate
 
     model = tiny_llama()
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(7)).to(DEVICE)
@@ -211,7 +211,7 @@ def test_greedy_decoder_eager_matches_generate():
 def test_graph_replay_equals_eager_steps():
     """greedy_generate's CUDA-graph replays give the tokens of the same steps run eagerly (the same
     launch plan: the kernel planned from the capacity in both), for a left-padded batch too."""
-    from oscar_core.decode_graph import greedy_generate
+    from oscar_core.serve.decode_graph import greedy_generate
 
     model = tiny_llama().bfloat16()
     bundle = random_bundle(4, 16)
@@ -234,7 +234,7 @@ def test_graph_replays_window_stores():
     in BF16, no rows) decodes in CUDA-graph replays, past the window, the tokens of the same steps run eagerly."""
     import transformers as tf
 
-    from oscar_core.decode_graph import greedy_generate
+    from oscar_core.serve.decode_graph import greedy_generate
 
     for window in (100, 8):
         config = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=3,
@@ -605,9 +605,9 @@ def test_write_kernels_at_head_dim_256(axis, layout):
 
 
 def test_shapes_the_kernels_cannot_take_fall_back_to_torch():
-    from oscar_core import methods
-    from oscar_core.cache import serving_problem
     from oscar_core.layers import LayerSpec
+    from oscar_core.serve import methods
+    from oscar_core.serve.cache import serving_problem
 
     def write_problem(lm, head_dim):
         return serving_problem(lm, 2, head_dim, "write")
@@ -714,8 +714,8 @@ def test_mixed_bundle_kernel_reads_match_torch_reads():
 def test_channel_blocks_the_kernel_cannot_read_fall_back_to_torch():
     """Key blocks of 32 tokens: the decode kernel refuses them (plan.shape_problem, the one place that decides,
     before any launch), so the layer reads in torch with one warning; its Triton writes still match the torch ones."""
-    from oscar_core import methods
-    from oscar_core.cache import serving_problem
+    from oscar_core.serve import methods
+    from oscar_core.serve.cache import serving_problem
 
     model = tiny_llama()
     bundle = random_bundle(4, 16, channel_layers=(0, 1), key_group=32)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from oscar_core.bundle import load_bundle
-from oscar_core.calibration import STATISTICS_FILE, CalibrationRequest, calibrate
+from oscar_core.calibrate.calibration import STATISTICS_FILE, CalibrationRequest, calibrate
+from oscar_core.calibrate.export import export_bundle
 from oscar_core.errors import OscarError
-from oscar_core.export import export_bundle
+from oscar_core.formats.bundle import load_bundle
 from oscar_core.rotations import orthogonality_error
 
 REQUEST = CalibrationRequest(samples=3, seq_len=128, batch_size=1, seed=0)

@@ -6,9 +6,9 @@ import pytest
 import yaml
 from test_cli import tiny_calibration
 
-from oscar_core import upstream
-from oscar_core.card import model_card
-from oscar_core.export import export_bundle
+from oscar_core.calibrate.export import export_bundle
+from oscar_core.publish import upstream
+from oscar_core.publish.card import model_card
 from tiny_bundle import tiny_manifest
 
 REPO = "alice/tiny-oscar"

@@ -10,9 +10,9 @@ import torch
 from conftest import tiny_model
 from tiny_bundle import write_tiny_bundle
 
-from oscar_core.calibration import RECORD_FILE, _save
-from oscar_core.models import attention_facts
-from oscar_core.statistics import AttentionStatistics, observe_attention
+from oscar_core.calibrate.calibration import RECORD_FILE, _save
+from oscar_core.calibrate.models import attention_facts
+from oscar_core.calibrate.statistics import AttentionStatistics, observe_attention
 
 OSCAR = [sys.executable, "-c", "from oscar_cli.app import main; main()"]
 
@@ -96,7 +96,7 @@ def test_export_of_a_tiny_model_and_verify_checks(tmp_path):
 
 
 def test_verify_refuses_a_bundle_whose_rotations_are_not_orthogonal(tmp_path):
-    from oscar_core.bundle import load_bundle, write_bundle
+    from oscar_core.formats.bundle import load_bundle, write_bundle
 
     write_tiny_bundle(tmp_path / "b")
     b = load_bundle(tmp_path / "b")

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from oscar_core.data import (DEFAULT_HELDOUT, bos_prefix, heldout_prompts, load_samples, sample_windows, texts,
-                              token_windows)
+from oscar_core.calibrate.data import (DEFAULT_HELDOUT, bos_prefix, heldout_prompts, load_samples, sample_windows,
+                                       texts, token_windows)
 from oscar_core.errors import OscarError
 
 
@@ -57,7 +57,7 @@ def test_default_heldout_text_ships_with_oscar(monkeypatch, tmp_path):
     """The held-out default is the packaged file, read the same with no idlelib installed (the GPU image's Python)."""
     import sysconfig
 
-    from oscar_core.data import HELDOUT_FILE, HELDOUT_SEPARATOR
+    from oscar_core.calibrate.data import HELDOUT_FILE, HELDOUT_SEPARATOR
 
     monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path)})
     assert HELDOUT_FILE.parent.name == "corpus" and HELDOUT_FILE.parent.parent.name == "oscar_core"

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from oscar_core.decode_graph import compile_shared_parts
+from oscar_core.serve.decode_graph import compile_shared_parts
 
 
 @pytest.mark.slow

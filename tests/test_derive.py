@@ -4,10 +4,11 @@ retrieval probe on which they keep a sharply attended outlier key that the mean 
 import pytest
 import torch
 
-from oscar_core.derive import (CLIP_GRID, KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_keys,
-                               key_attention_errors, key_clip_grid, key_errors, quantize_rotated, search_clip)
+from oscar_core.calibrate.derive import (CLIP_GRID, KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label,
+                                         derive_keys, key_attention_errors, key_clip_grid, key_errors, quantize_rotated,
+                                         search_clip)
+from oscar_core.calibrate.statistics import AttentionStatistics
 from oscar_core.metrics import causal_attention
-from oscar_core.statistics import AttentionStatistics
 
 D, T, NQ = 64, 256, 32
 
@@ -106,7 +107,7 @@ def test_derive_keys_objectives_and_floor():
 
 
 def test_clip_objective_label_keeps_the_schema_default():
-    from oscar_core.bundle import QuantInfo
+    from oscar_core.formats.bundle import QuantInfo
 
     assert clip_objective_label() == QuantInfo.model_fields["clip_objective"].default
     assert clip_objective_label("kl") == "keys: attention KL divergence; values: attention-output error"
@@ -121,7 +122,7 @@ def test_default_key_clip_floor_is_recorded():
     assert clip_objective_label(opts.key_clip_objective, opts.key_clip_floor) == \
         "keys: attention-output error (exact values) (key clip >= 0.8); values: attention-output error"
     stats = stats_of_probe(1, outlier=0.0, d=64)  # Gaussian keys in groups of 64: the unfloored search clips hard
-    from oscar_core.derive import derive_layer
+    from oscar_core.calibrate.derive import derive_layer
     layer, _ = derive_layer(stats, 0, DeriveOptions(sink_tokens=8))
     unfloored = derive_keys(stats, 0, "oscar", True, 64, 8)["key_clip"]
     assert (unfloored < 0.8).any()  # without the floor this probe's search clips harder
@@ -141,7 +142,7 @@ def stats_of_layer(keys: torch.Tensor, queries: torch.Tensor, seed: int = 0) -> 
 def test_each_layer_keeps_the_key_format_that_attention_sees_least():
     """Keys with two wide, offset channels read by large queries (Qwen2.5-Coder-0.5B's layer 0): per-token groups
     spend their four levels on those channels and the others drown; per-channel groups keep them apart."""
-    from oscar_core.derive import derive_layer, key_format_name
+    from oscar_core.calibrate.derive import derive_layer, key_format_name
 
     g = torch.Generator().manual_seed(0)
     opts = DeriveOptions(sink_tokens=8)
@@ -166,7 +167,7 @@ def test_a_key_mean_that_turns_with_position_is_scored_where_the_bundle_is_serve
     by radians at far ones: per-token groups, centred on the probe's mean, carry the turned residual there, which the
     probe alone never shows; every format is scored at the probe turned to far offsets, and the kept one is the
     format whose worst error over them is the smallest."""
-    from oscar_core.derive import derive_layer
+    from oscar_core.calibrate.derive import derive_layer
     from oscar_core.rope import far_offsets, turn
 
     g = torch.Generator().manual_seed(0)

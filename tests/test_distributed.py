@@ -8,12 +8,12 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import load_file
 
-from oscar_core import distributed
-from oscar_core.calibration import STATISTICS_FILE, CalibrationRequest, _rounds, calibrate, read_layer_statistics, \
-    read_statistics
+from oscar_core.calibrate import distributed
+from oscar_core.calibrate.calibration import (STATISTICS_FILE, CalibrationRequest, _rounds, calibrate,
+                                              read_layer_statistics, read_statistics)
+from oscar_core.calibrate.models import load_model, model_devices, plan_device_map
+from oscar_core.calibrate.statistics import AttentionStatistics
 from oscar_core.errors import OscarError
-from oscar_core.models import load_model, model_devices, plan_device_map
-from oscar_core.statistics import AttentionStatistics
 
 TESTS = Path(__file__).parent
 
@@ -230,7 +230,7 @@ def test_pending_sums_and_probe_rows_merge_in_sample_order():
 def test_parallel_export_is_byte_identical_to_the_serial_one(tmp_path):
     from test_cli import tiny_calibration
 
-    from oscar_core.export import export_bundle
+    from oscar_core.calibrate.export import export_bundle
 
     calib = tiny_calibration(tmp_path / "calib")
     one = read_layer_statistics(calib, 1, 4)
@@ -262,7 +262,7 @@ def test_launched_processes_get_the_same_request(tmp_path, capfd, monkeypatch):
 def test_recipes_state_their_gpus():
     import pydantic
 
-    from oscar_core.zoo import Recipe, missing_requirements
+    from oscar_core.publish.zoo import Recipe, missing_requirements
 
     recipe = Recipe(name="org/m", version="v1", model="default", samples=1, seq_len=8, gpus=2, device="cuda")
     assert "gpus" not in recipe.calibration_fields() and recipe.gpus == 2

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_core import evaluate as ev
-from oscar_core.bundle import load_bundle
 from oscar_core.errors import OscarError
+from oscar_core.evaluate import perplexity as ev
+from oscar_core.formats.bundle import load_bundle
 
 BUNDLE = Path(__file__).resolve().parents[1] / "zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1"
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import run_cli
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, manifest_json
-from oscar_core.card import model_card
+from oscar_core.formats.bundle import MANIFEST_FILE, TENSOR_FILE, manifest_json
+from oscar_core.publish.card import model_card
 from tiny_bundle import write_tiny_bundle
 
 HERE = Path(__file__).parent
@@ -123,7 +123,7 @@ def test_first_push_uploads_bundle_manifest_and_card_in_one_commit(hub, server, 
     manifest_bytes = (bundle / MANIFEST_FILE).read_bytes()
     assert files[TENSOR_FILE] == (bundle / TENSOR_FILE).read_bytes()
     assert files[MANIFEST_FILE] == manifest_bytes
-    from oscar_core.bundle import Manifest
+    from oscar_core.formats.bundle import Manifest
 
     manifest = Manifest.model_validate_json(manifest_bytes)
     assert manifest_json(manifest).encode() == manifest_bytes
@@ -170,7 +170,7 @@ def test_a_new_version_of_the_same_model_is_a_new_commit(hub, server, client_env
 def test_dry_run_prints_files_hashes_and_card_and_sends_nothing(hub, server, client_env, bundle, capfd, monkeypatch):
     code, out = oscar(capfd, monkeypatch, *push_args(bundle, hub, "--dry-run"))
     assert code == 0, out
-    from oscar_core.hub import plan_push
+    from oscar_core.publish.hub import plan_push
 
     plan = plan_push(str(bundle), hub, REPO)
     for f in plan.files:
@@ -183,7 +183,7 @@ def test_dry_run_prints_files_hashes_and_card_and_sends_nothing(hub, server, cli
 def test_a_bundle_verify_rejects_is_not_published(hub, server, client_env, bundle, tmp_path, capfd, monkeypatch, flaw):
     """Push runs verify's integrity checks before anything leaves: a NaN clip or a non-orthogonal rotation (re-signed,
     the checksum right), or a tensor file linked from outside the bundle, is refused and the hub sees no request."""
-    from oscar_core.bundle import load_bundle, write_bundle
+    from oscar_core.formats.bundle import load_bundle, write_bundle
 
     b = load_bundle(bundle)
     if flaw == "tensor file outside":
@@ -294,8 +294,8 @@ def upstream_dir(tmp_path, bundle) -> Path:
     """`oscar upstream export` of the tiny bundle (given eigenvalues, so no calibration is needed)."""
     import torch
 
-    from oscar_core import upstream
-    from oscar_core.bundle import load_bundle, write_bundle
+    from oscar_core.formats.bundle import load_bundle, write_bundle
+    from oscar_core.publish import upstream
 
     b = load_bundle(bundle)
     tensors = dict(b.tensors)
@@ -308,7 +308,7 @@ def upstream_dir(tmp_path, bundle) -> Path:
 
 def test_upstream_layout_publishes_the_sglang_files_and_a_card_that_serves_them(hub, server, client_env, upstream_dir,
                                                                                 bundle, capfd, monkeypatch):
-    from oscar_core.hub import plan_push
+    from oscar_core.publish.hub import plan_push
 
     code, out = oscar(capfd, monkeypatch, *push_args(upstream_dir, hub, "--layout", "upstream"))
     assert code == 0, out
@@ -339,8 +339,8 @@ def test_upstream_layout_publishes_the_sglang_files_and_a_card_that_serves_them(
 
 def test_upstream_card_of_per_head_files_says_which_loaders_read_them_and_what_they_cost(hub, upstream_dir,
                                                                                          tmp_path):
-    from oscar_core import upstream
-    from oscar_core.hub import plan_push
+    from oscar_core.publish import upstream
+    from oscar_core.publish.hub import plan_push
 
     plan = upstream.plan_export(tmp_path / "with-eigen", tmp_path / "heads", clips="upstream", per_head=True)
     served = {"seq_len": 2048, "passed": True, "served": {"kl": 0.0321, "kivi_kl": 0.0456}, "bundle": {"kl": 0.0123}}
@@ -352,7 +352,7 @@ def test_upstream_card_of_per_head_files_says_which_loaders_read_them_and_what_t
 
 
 def test_oscar_layout_card_says_how_to_serve_with_sglang(hub, bundle):
-    from oscar_core.hub import plan_push
+    from oscar_core.publish.hub import plan_push
 
     card = plan_push(str(bundle), hub, REPO).card
     assert "## Serve with SGLang" in card
@@ -367,9 +367,9 @@ def test_a_cache_from_a_bundle_directory_or_a_hub_id(server, client_env, hub, tm
         pytest.skip("hub ids are Hugging Face repos")
     import huggingface_hub.constants as c
 
-    from oscar_core.bundle import load_bundle
-    from oscar_core.cache import OscarCache
     from oscar_core.errors import OscarError
+    from oscar_core.formats.bundle import load_bundle
+    from oscar_core.serve.cache import OscarCache
 
     write_tiny_bundle(tmp_path / "bundle")
     local = OscarCache.from_pretrained(tmp_path / "bundle", "oscar")

@@ -12,9 +12,9 @@ import torch
 from conftest import calibrate_and_export, cli, run_cli, write_tokenizer_and_corpus
 from safetensors import safe_open
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE
+from oscar_core.calibrate.models import attention_layer_ids, check_supported
 from oscar_core.errors import OscarError
-from oscar_core.models import attention_layer_ids, check_supported
+from oscar_core.formats.bundle import MANIFEST_FILE, TENSOR_FILE
 
 ATTENTION_LAYERS = [1, 3]
 
@@ -98,7 +98,7 @@ def test_upstream_round_trip_compares_with_ours(hybrid_model, hybrid_bundle, cap
 
 
 def test_verify_refuses_a_bundle_of_other_layers(hybrid_model, hybrid_bundle, capfd, monkeypatch, tmp_path):
-    from oscar_core.bundle import load_bundle, write_bundle
+    from oscar_core.formats.bundle import load_bundle, write_bundle
 
     b = load_bundle(hybrid_bundle[1])
     quant = b.manifest.quant.model_copy(update={"layers": [e for e in b.manifest.quant.layers or () if e.layer == 1]})
@@ -127,7 +127,7 @@ def test_decode_continues_the_prefill_of_every_layer(hybrid_model):
     uninterrupted forward up to the BF16 rounding of K/V; with the linear states left empty they do not."""
     from transformers import AutoModelForCausalLM
 
-    from oscar_core.cache import OscarCache, OscarLayer, exact_cache, fill, state_layer
+    from oscar_core.serve.cache import OscarCache, OscarLayer, exact_cache, fill, state_layer
 
     model = AutoModelForCausalLM.from_pretrained(hybrid_model, dtype=torch.float32).eval()
     ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))

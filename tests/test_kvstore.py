@@ -127,7 +127,7 @@ def test_append_token_matches_prefill():
 
 def channel_sides(layer, key_group, value_group):
     """The methods.Sides of a layer whose keys are quantized per channel over blocks of key_group tokens."""
-    from oscar_core import methods
+    from oscar_core.serve import methods
 
     return (methods.Side(key_group, "channel", layer.key_rotation, layer.key_mean, layer.key_clip),
             methods.Side(value_group, "token", layer.value_rotation, layer.value_mean, layer.value_clip))
@@ -135,7 +135,7 @@ def channel_sides(layer, key_group, value_group):
 
 def cache_view(x, side, block, s, w):
     """x [H_kv, n, d] as a cache reads it for the query at position n − 1 (simulate's rule)."""
-    from oscar_core import methods
+    from oscar_core.serve import methods
 
     n = x.shape[1]
     int2 = methods.int2_mask(torch.tensor([n - 1]), n, side, s, w, block)[0][:, None]
@@ -177,8 +177,8 @@ def test_channel_keys_append_reads_as_simulation():
     """Token-by-token and chunked appends with left pads across several block boundaries: after every append
     each sequence reads what simulate gives its last position (identity rotation, so the BF16 ring copy that
     a leaving block is quantized from is the token itself), and the reference attention is the simulation's."""
-    from oscar_core import methods
-    from oscar_core.simulate import simulated_attention
+    from oscar_core.serve import methods
+    from oscar_core.serve.simulate import simulated_attention
 
     gen = torch.Generator().manual_seed(12)
     bsz, kv_heads, heads, d, g, s, w = 3, 2, 4, 64, 8, 4, 16

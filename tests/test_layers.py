@@ -8,12 +8,12 @@ import torch
 import transformers as tf
 from conftest import TINY, tiny_model, tiny_sliding_model
 
-from oscar_core.cache import OscarCache, OscarLayer, RingLayer, exact_cache, fill, memory_plan
+from oscar_core.calibrate.statistics import observe_attention
 from oscar_core.errors import OscarError
 from oscar_core.layers import (LayerSpec, attention_layer_ids, check_config, holds_int2, int2_layer_ids, int2_reason,
                                layer_specs, visible, window_recent, windowed_attention, windows)
-from oscar_core.simulate import simulate_int2
-from oscar_core.statistics import observe_attention
+from oscar_core.serve.cache import OscarCache, OscarLayer, RingLayer, exact_cache, fill, memory_plan
+from oscar_core.serve.simulate import simulate_int2
 
 KINDS = ["gemma3", "mistral", "qwen2"]
 WINDOW = 8
@@ -83,7 +83,7 @@ def test_simulated_bf16_equals_the_models_forward(kind):
 
 @pytest.mark.parametrize("kind", ["gemma3", "qwen2"])
 def test_bf16_perplexity_equals_the_models(kind):
-    from oscar_core.evaluate import negative_log_likelihood, perplexity
+    from oscar_core.evaluate.perplexity import negative_log_likelihood, perplexity
 
     model = tiny_sliding_model(kind, WINDOW)
     wins = torch.cat([ids(64, 1), ids(64, 2)])

@@ -11,13 +11,13 @@ default), the same calibration holds at 2,048.
 import pytest
 import torch
 
-from oscar_core.bundle import load_bundle
-from oscar_core.calibration import CalibrationRequest, calibrate
-from oscar_core.data import load_samples
-from oscar_core.derive import DeriveOptions, key_formats
-from oscar_core.export import export_bundle
-from oscar_core.models import load_model
-from oscar_core.verify import gate, verify
+from oscar_core.calibrate.calibration import CalibrationRequest, calibrate
+from oscar_core.calibrate.data import load_samples
+from oscar_core.calibrate.derive import DeriveOptions, key_formats
+from oscar_core.calibrate.export import export_bundle
+from oscar_core.calibrate.models import load_model
+from oscar_core.evaluate.verify import gate, verify
+from oscar_core.formats.bundle import load_bundle
 
 PAIR, BIAS = 21, 40.0
 

@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from oscar_core import methods, quant
+from oscar_core import quant
 from oscar_core.errors import OscarError
 from oscar_core.rotations import hadamard
+from oscar_core.serve import methods
 
 
 def keys_with_outliers(b=1, h=3, t=256, d=64, seed=0):

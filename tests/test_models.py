@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from oscar_core.calibration import CalibrationRequest, calibrate
+from oscar_core.calibrate.calibration import CalibrationRequest, calibrate
+from oscar_core.calibrate.models import DEFAULT_MODEL_ID, resolve
 from oscar_core.errors import OscarError
-from oscar_core.models import DEFAULT_MODEL_ID, resolve
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_hub_id_from_the_local_cache(tiny_dir, tmp_path):
 
 
 def test_local_directory_and_limits(tiny_dir, tmp_path):
-    from oscar_core.models import load_model
+    from oscar_core.calibrate.models import load_model
 
     loaded = load_model(str(tiny_dir))
     assert loaded.info.id == tiny_dir.name and loaded.info.file_sha256 and loaded.info.num_heads == 4

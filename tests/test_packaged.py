@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from oscar_core import packaged
+from oscar_core.calibrate import packaged
+from oscar_core.calibrate.models import default_gguf_path, gguf_name, resolve
 from oscar_core.errors import OscarError
-from oscar_core.models import default_gguf_path, gguf_name, resolve
 
 
 def fake_model(tmp_path, monkeypatch, slices=(b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5), sha=None):

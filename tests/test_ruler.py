@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import run_cli
 
-from oscar_core import ruler
-from oscar_core.bundle import load_bundle
 from oscar_core.errors import OscarError
-from oscar_core.evaluate_ruler import RulerRequest, check_request, default_samples, fitting_tasks
+from oscar_core.evaluate import ruler
+from oscar_core.evaluate.evaluate_ruler import RulerRequest, check_request, default_samples, fitting_tasks
+from oscar_core.formats.bundle import load_bundle
 
 BUNDLE = Path(__file__).resolve().parents[1] / "zoo/HuggingFaceTB/SmolLM2-135M-Instruct/v1"
 EOS, BOS = 1, 2

@@ -1,14 +1,15 @@
-"""oscar_core.served: the served variant of an upstream export, measured by verify in memory, and the export's gate."""
+"""oscar_core.publish.served: the served variant of an upstream export, measured by verify in memory, and the
+export's gate."""
 
 import json
 
 import pytest
 from conftest import calibrate_and_export, run_cli, tiny_model, write_tokenizer_and_corpus
 
-from oscar_core import upstream
-from oscar_core.bundle import ModelInfo
-from oscar_core.served import measure_served
-from oscar_core.verify import VerifyRequest, run_verify
+from oscar_core.evaluate.verify import VerifyRequest, run_verify
+from oscar_core.formats.bundle import ModelInfo
+from oscar_core.publish import upstream
+from oscar_core.publish.served import measure_served
 
 SEQ = 384   # past the 64 sink and 256 recent BF16 tokens
 

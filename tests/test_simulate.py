@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from oscar_core import methods
-from oscar_core.cache import OscarLayer
-from oscar_core.simulate import simulated_attention
+from oscar_core.serve import methods
+from oscar_core.serve.cache import OscarLayer
+from oscar_core.serve.simulate import simulated_attention
 from test_methods import oscar_side
 
 SINK, RECENT = 4, 16

@@ -9,7 +9,7 @@ import torch
 from conftest import calibrate_and_export, cli, run_cli, tiny_sliding_model, write_tokenizer_and_corpus
 from safetensors import safe_open
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE
+from oscar_core.formats.bundle import MANIFEST_FILE, TENSOR_FILE
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,8 @@ def test_verify_and_eval_on_the_sliding_model(gemma_dir, gemma_bundle, capfd, mo
     report = json.loads((tmp_path / "eval.json").read_text())
     assert all(math.isfinite(report["perplexity"][m]["256"]) for m in ("bf16", "oscar"))
     # BF16 perplexity is the model's own on the same window.
-    from oscar_core.evaluate import heldout_tokens, negative_log_likelihood
-    from oscar_core.models import load_model
+    from oscar_core.calibrate.models import load_model
+    from oscar_core.evaluate.perplexity import heldout_tokens, negative_log_likelihood
 
     loaded = load_model(str(gemma_dir), "cpu", "float32")
     ids = heldout_tokens(data, loaded.tokenizer, 256)[None]
@@ -68,7 +68,7 @@ def test_verify_and_eval_on_the_sliding_model(gemma_dir, gemma_bundle, capfd, mo
 
 
 def test_a_bundle_of_other_windows_is_refused(gemma_dir, gemma_bundle, capfd, monkeypatch, tmp_path):
-    from oscar_core.bundle import load_bundle, write_bundle
+    from oscar_core.formats.bundle import load_bundle, write_bundle
 
     b = load_bundle(gemma_bundle[1])
     rotation = b.manifest.rotation.model_copy(update={"windows": {"0": 16, "2": 16}})
@@ -108,7 +108,7 @@ def test_unmodelled_attention_is_refused_at_calibrate(tmp_path, capfd, monkeypat
 @pytest.mark.slow
 def test_simulated_bf16_equals_the_default_models_forward(default_model):
     """The real default model (global attention): simulate's bf16 arm is its forward up to BF16 rounding of K, V."""
-    from oscar_core.simulate import simulate_int2
+    from oscar_core.serve.simulate import simulate_int2
 
     model = default_model.model
     ids = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
@@ -144,8 +144,8 @@ def test_long_window_model_end_to_end(tmp_path, capfd, monkeypatch):
                         "--depths", "0.5", "--json", str(tmp_path / "eval.json"))
     assert code == 0, out
     report = json.loads((tmp_path / "eval.json").read_text())
-    from oscar_core.evaluate import heldout_tokens, negative_log_likelihood
-    from oscar_core.models import load_model
+    from oscar_core.calibrate.models import load_model
+    from oscar_core.evaluate.perplexity import heldout_tokens, negative_log_likelihood
 
     loaded = load_model(str(tmp_path), "cpu", "float32")
     nll, n = negative_log_likelihood(loaded.model, heldout_tokens(data, loaded.tokenizer, 700)[None])
@@ -178,9 +178,9 @@ def test_bf16_needle_decoding_equals_generate(gemma_dir, gemma_bundle):
     transformers takes (no deprecation warning: `past_key_values` is removed from forward in 5.40)."""
     import warnings
 
-    from oscar_core.bundle import load_bundle
-    from oscar_core.evaluate import ANSWER_TOKENS, greedy_answers
-    from oscar_core.models import load_model
+    from oscar_core.calibrate.models import load_model
+    from oscar_core.evaluate.perplexity import ANSWER_TOKENS, greedy_answers
+    from oscar_core.formats.bundle import load_bundle
 
     loaded = load_model(str(gemma_dir), "cpu", "float32")
     bundle = load_bundle(gemma_bundle[1])
@@ -201,9 +201,9 @@ def test_bf16_needle_decoding_equals_generate(gemma_dir, gemma_bundle):
 def test_bits_per_element_are_the_measured_bytes_per_layer_type(gemma_bundle):
     """The bits a sliding model's cache reports are 16 · its bytes / the BF16 cache's bytes of the same tokens: a
     window layer counts the window it holds, in the cache's figure and in BF16's (not the context)."""
-    from oscar_core import methods
-    from oscar_core.bundle import load_bundle
-    from oscar_core.cache import OscarCache
+    from oscar_core.formats.bundle import load_bundle
+    from oscar_core.serve import methods
+    from oscar_core.serve.cache import OscarCache
 
     bundle = load_bundle(gemma_bundle[1])
     m = bundle.manifest.model

@@ -2,9 +2,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from oscar_core.calibrate.models import check_supported
+from oscar_core.calibrate.statistics import AttentionStatistics, observe_attention
 from oscar_core.errors import OscarError
-from oscar_core.models import check_supported
-from oscar_core.statistics import AttentionStatistics, observe_attention
 
 ARCHITECTURES = ["llama", "qwen3", "qwen2", "mistral", "gemma"]
 

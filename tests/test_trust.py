@@ -17,14 +17,14 @@ from conftest import run_cli
 from test_cli import tiny_calibration
 from tiny_bundle import tiny_manifest, write_tiny_bundle
 
-from oscar_core import upstream
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, load_bundle, read_manifest, write_bundle
-from oscar_core.card import model_card
-from oscar_core.derive import key_formats
+from oscar_core.calibrate.derive import key_formats
+from oscar_core.calibrate.export import export_bundle
 from oscar_core.errors import OscarError
-from oscar_core.export import export_bundle
-from oscar_core.fileio import atomic_write_dir, atomic_write_stream, path_under
-from oscar_core.verify import too_short
+from oscar_core.evaluate.verify import too_short
+from oscar_core.formats.bundle import MANIFEST_FILE, TENSOR_FILE, load_bundle, read_manifest, write_bundle
+from oscar_core.formats.fileio import atomic_write_dir, atomic_write_stream, path_under
+from oscar_core.publish import upstream
+from oscar_core.publish.card import model_card
 
 oscar = run_cli
 
@@ -65,7 +65,7 @@ def test_export_writes_nothing_outside_out(tmp_path, capfd, monkeypatch):
 
 
 def test_upstream_import_and_zoo_recipes_refuse_names_that_climb(tmp_path, capfd, monkeypatch):
-    from oscar_core import zoo
+    from oscar_core.publish import zoo
 
     code, text = oscar(capfd, monkeypatch, "upstream", "import", str(tmp_path), "--model", "default",
                        "--name", "../..", "--out", str(tmp_path / "out"))
@@ -233,7 +233,7 @@ def test_an_explicit_key_rotation_holds_for_every_key_format(tmp_path):
     assert key_formats("auto") == (("token", "oscar"), ("channel", "none"), ("channel", "eigen"))  # the default
     assert key_formats("auto", "none") == (("token", "none"), ("channel", "none"))
     assert key_formats("channel", "hadamard") == (("channel", "hadamard"),)
-    from oscar_core.derive import DeriveOptions
+    from oscar_core.calibrate.derive import DeriveOptions
 
     calib = tiny_calibration(tmp_path / "calib")
     opts = DeriveOptions(key_rotation="none", value_rotation="none", key_centering=False,
@@ -249,7 +249,7 @@ def test_an_explicit_key_rotation_holds_for_every_key_format(tmp_path):
 # ---------------------------------------------------------------------------------------------------- verify
 
 def test_verify_does_not_judge_a_length_that_quantizes_nothing():
-    from oscar_core.bundle import LayerQuant
+    from oscar_core.formats.bundle import LayerQuant
 
     m = tiny_manifest()   # sink 64, recent 256, groups of 8, keys per token
     assert too_short(256, m).startswith("nothing is quantized at 256 tokens")
@@ -288,7 +288,7 @@ def test_a_killed_writers_temporaries_go_with_the_next_write(tmp_path):
 
 def test_export_workers_die_with_a_killed_export(tmp_path):
     script = ("import os, sys, time\n"
-              "from oscar_core.export import worker_pool\n"
+              "from oscar_core.calibrate.export import worker_pool\n"
               "if __name__ == '__main__':\n"
               "    pool = worker_pool(2)\n"
               "    futures = [pool.submit(os.getpid) for _ in range(8)]\n"

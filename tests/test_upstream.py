@@ -1,4 +1,4 @@
-"""The authors' rotation files (oscar_core/upstream.py): files written here in their schema, no network."""
+"""The authors' rotation files (oscar_core/publish/upstream.py): files written here in their schema, no network."""
 
 import io
 import json
@@ -9,15 +9,15 @@ import torch
 from conftest import run_cli, tiny_model
 from test_cli import tiny_calibration
 
-from oscar_core import upstream
-from oscar_core.bundle import ModelInfo, load_bundle, write_bundle
-from oscar_core.calibration import read_statistics
+from oscar_core.calibrate.calibration import read_statistics
+from oscar_core.calibrate.export import export_bundle
+from oscar_core.calibrate.models import attention_layer_ids
 from oscar_core.errors import OscarError
-from oscar_core.export import export_bundle
-from oscar_core.fidelity import capture_attention, key_error, value_error
-from oscar_core.models import attention_layer_ids
+from oscar_core.evaluate.fidelity import capture_attention, key_error, value_error
+from oscar_core.evaluate.verify import layer_errors
+from oscar_core.formats.bundle import ModelInfo, load_bundle, write_bundle
+from oscar_core.publish import upstream
 from oscar_core.rotations import orthogonality_error, rotation
-from oscar_core.verify import layer_errors
 
 KV, D = 2, 8
 
@@ -283,7 +283,7 @@ def test_a_hadamard_bundle_is_not_exported_as_r_h_pbr(exported, tmp_path):
 
 def test_verify_table_shows_the_other_bundle_beside_ours(capsys):
     from oscar_cli.commands.verify import _print_report
-    from oscar_core.verify import merge_reports
+    from oscar_core.evaluate.verify import merge_reports
 
     def sample(shift):
         rows = [{"layer": l, "kv_head": h, "oscar_key": 0.1 + l + shift, "oscar_value": 0.2, "hadamard_key": 0.3,

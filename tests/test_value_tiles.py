@@ -176,8 +176,8 @@ def test_oscar_cache_decodes_the_same_with_tiles(kernel):
     kernels'): the same logits as rows, bit for bit, with stores that grow past their first capacity."""
     from test_cache_kernel import LAYERS, decode_logits, random_bundle, tiny_llama
 
-    from oscar_core.cache import OscarCache, oscar_attention
     from oscar_core.errors import OscarError
+    from oscar_core.serve.cache import OscarCache, oscar_attention
 
     model = tiny_llama()
     bundle = random_bundle(4, 16, channel_layers=(1,))

@@ -1,5 +1,5 @@
-"""oscar_core.verify: the per-layer attention error, the end-to-end figures, the gate; a bundle that breaks a real
-model's layer fails, the committed one passes."""
+"""oscar_core.evaluate.verify: the per-layer attention error, the end-to-end figures, the gate; a bundle that breaks
+a real model's layer fails, the committed one passes."""
 
 import math
 from pathlib import Path
@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_core import methods
-from oscar_core.bundle import load_bundle, write_bundle
-from oscar_core.data import DEFAULT_HELDOUT, load_samples
-from oscar_core.fidelity import capture_attention
-from oscar_core.verify import (gate, layer_errors, layer_ranking, merge_reports, query_positions,
-                               restored)
+from oscar_core.calibrate.data import DEFAULT_HELDOUT, load_samples
+from oscar_core.evaluate.fidelity import capture_attention
+from oscar_core.evaluate.verify import (gate, layer_errors, layer_ranking, merge_reports, query_positions,
+                                        restored)
+from oscar_core.formats.bundle import load_bundle, write_bundle
+from oscar_core.serve import methods
 
 COMMITTED = Path(__file__).resolve().parents[1] / "zoo" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "v1"
 BROKEN_LAYER = 13

@@ -7,9 +7,9 @@ import pytest
 from conftest import capability_env, instruction_sets, run_cli, write_tokenizer_and_corpus
 import torch
 
-from oscar_core import zoo
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, load_bundle, write_bundle
 from oscar_core.errors import OscarError
+from oscar_core.formats.bundle import MANIFEST_FILE, TENSOR_FILE, load_bundle, write_bundle
+from oscar_core.publish import zoo
 from tiny_bundle import write_tiny_bundle
 
 REPO_ROOT = Path(__file__).parent.parent
@@ -349,7 +349,7 @@ def test_committed_default_bundle_checks_under_each_instruction_set(capability):
     and Gemma 3 270M (after `make models`; skipped, saying so, without it), to keep the suite short."""
     import subprocess
 
-    from oscar_core import packaged
+    from oscar_core.calibrate import packaged
 
     root = Path(__file__).resolve().parents[1]
     env = {**capability_env(capability), "COLUMNS": "200"}

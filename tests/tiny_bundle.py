@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from oscar_core.bundle import (CalibrationInfo, Manifest, ModelInfo, QuantInfo, RotationInfo, TensorFileInfo,
-                               write_bundle)
+from oscar_core.formats.bundle import (CalibrationInfo, Manifest, ModelInfo, QuantInfo, RotationInfo, TensorFileInfo,
+                                       write_bundle)
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
 

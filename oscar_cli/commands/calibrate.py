@@ -7,8 +7,8 @@ import typer
 
 from oscar_cli.options import POSITIVE, SEQUENCE, in_range
 from oscar_cli.ui import console, progress
-from oscar_core import distributed
-from oscar_core.calibration import CalibrationRequest, calibrate as run_calibration
+from oscar_core.calibrate import distributed
+from oscar_core.calibrate.calibration import CalibrationRequest, calibrate as run_calibration
 
 EXAMPLES = """
 Examples:

@@ -11,17 +11,17 @@ from rich.table import Table
 
 from oscar_cli.options import POSITIVE, in_range, png_file
 from oscar_cli.ui import console, err_console
-from oscar_core import methods
-from oscar_core.bundle import load_bundle
-from oscar_core.data import DEFAULT_HELDOUT
+from oscar_core.calibrate.data import DEFAULT_HELDOUT
+from oscar_core.calibrate.models import load_model, resolve_device
 from oscar_core.errors import OscarError, UsageError
-from oscar_core.evaluate import DEPTHS, EvalRequest, check_request, evaluate
-from oscar_core.evaluate_ruler import RulerRequest, default_samples, evaluate_ruler
-from oscar_core.evaluate_ruler import check_request as check_ruler_request
-from oscar_core.fileio import atomic_write_bytes
-from oscar_core.models import load_model, resolve_device
-from oscar_core.ruler import TASKS
-from oscar_core.verify import resolve_model_spec
+from oscar_core.evaluate.evaluate_ruler import RulerRequest, default_samples, evaluate_ruler
+from oscar_core.evaluate.evaluate_ruler import check_request as check_ruler_request
+from oscar_core.evaluate.perplexity import DEPTHS, EvalRequest, check_request, evaluate
+from oscar_core.evaluate.ruler import TASKS
+from oscar_core.evaluate.verify import resolve_model_spec
+from oscar_core.formats.bundle import load_bundle
+from oscar_core.formats.fileio import atomic_write_bytes
+from oscar_core.serve import methods
 
 EXAMPLES = """
 Examples:

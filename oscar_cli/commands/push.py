@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from oscar_cli.ui import console
-from oscar_core import hub as hub_core
+from oscar_core.publish import hub as hub_core
 
 HELP = "Verify a bundle and publish it, with a generated model card, to the Hugging Face Hub or ModelScope."
 EXAMPLES = """Examples:

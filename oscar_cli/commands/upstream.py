@@ -8,11 +8,11 @@ from rich.table import Table
 
 from oscar_cli import options
 from oscar_cli.ui import console
-from oscar_core import upstream as core
-from oscar_core.bundle import schema_errors
 from oscar_core.errors import OscarError, UsageError
-from oscar_core.served import SEQ_LEN, measure_served, summary
-from oscar_core.verify import VerifyRequest
+from oscar_core.evaluate.verify import VerifyRequest
+from oscar_core.formats.bundle import schema_errors
+from oscar_core.publish import upstream as core
+from oscar_core.publish.served import SEQ_LEN, measure_served, summary
 
 HELP = "Bundles to and from the method authors' format: <Model>/seq<T>_prompt<N>_group<G>/{k,v}_rotation_*.pt (SGLang)."
 EXAMPLES = """
@@ -128,9 +128,9 @@ def import_(
     version: Annotated[Optional[str], typer.Option(help="Bundle version; default: upstream-<directory name>.", callback=options.bundle_version)] = None,
 ) -> None:
     """Validate upstream rotation files against the model and write them as a bundle that verify and eval read."""
+    from oscar_core.calibrate.models import load_model
+    from oscar_core.evaluate.verify import resolve_model_spec
     from oscar_core.layers import layer_specs
-    from oscar_core.models import load_model
-    from oscar_core.verify import resolve_model_spec
 
     if not directory.is_dir():
         raise OscarError(f"upstream rotation directory not found: {directory}")

@@ -8,10 +8,10 @@ from rich.table import Table
 
 from oscar_cli.options import COUNT, POSITIVE, SEQUENCE, THRESHOLD
 from oscar_cli.ui import console, err_console
-from oscar_core.data import DEFAULT_HELDOUT
-from oscar_core.fileio import atomic_write_json
-from oscar_core.verify import (DEFAULT_NEEDLES, DEFAULT_SEQ_LEN, VERIFY_FILE, VerifyRequest,
-                               layer_ranking, record as record_of, run_verify)
+from oscar_core.calibrate.data import DEFAULT_HELDOUT
+from oscar_core.evaluate.verify import (DEFAULT_NEEDLES, DEFAULT_SEQ_LEN, VERIFY_FILE, VerifyRequest,
+                                        layer_ranking, record as record_of, run_verify)
+from oscar_core.formats.fileio import atomic_write_json
 
 EXAMPLES = f"""
 Examples:

@@ -7,9 +7,9 @@ import typer
 from rich.table import Table
 
 from oscar_cli.ui import console, err_console, progress
-from oscar_core import zoo as zoo_core
 from oscar_core.errors import OscarError, UsageError
-from oscar_core.verify import recorded_figures
+from oscar_core.evaluate.verify import recorded_figures
+from oscar_core.publish import zoo as zoo_core
 
 app = typer.Typer(name="zoo", no_args_is_help=True,
                   help="The bundle zoo: one recipe per model in zoo/recipes/, bundles in zoo/, manifests in manifests/.")

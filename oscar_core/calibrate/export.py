@@ -12,15 +12,16 @@ from pathlib import Path
 
 import torch
 
-from oscar_core.bundle import (CONTEXTS_REPORTED, NAME, VERSION, CalibrationInfo, LayerQuant, Manifest, ModelInfo,
-                               QuantInfo, RotationInfo, TensorFileInfo, group_size_problem, manifest_json,
-                               schema_errors, write_bundle)
-from oscar_core.calibration import check_record, read_layer_statistics, read_record, read_statistics
-from oscar_core.derive import KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer, key_clip_grid
+from oscar_core.formats.bundle import (CONTEXTS_REPORTED, NAME, VERSION, CalibrationInfo, LayerQuant, Manifest,
+                                       ModelInfo, QuantInfo, RotationInfo, TensorFileInfo, group_size_problem,
+                                       manifest_json, schema_errors, write_bundle)
+from oscar_core.calibrate.calibration import check_record, read_layer_statistics, read_record, read_statistics
+from oscar_core.calibrate.derive import (KEY_CLIP_OBJECTIVES, DeriveOptions, clip_objective_label, derive_layer,
+                                         key_clip_grid)
 from oscar_core.errors import OscarError, UsageError
-from oscar_core.fileio import atomic_write_bytes, check_name, path_under
+from oscar_core.formats.fileio import atomic_write_bytes, check_name, path_under
+from oscar_core.formats.provenance import platform_record
 from oscar_core.layers import holds_int2, int2_layer_ids, int2_reason, specs_from, window_recent
-from oscar_core.provenance import platform_record
 from oscar_core.quant import cache_bits_per_element, layer_bits_per_element
 from oscar_core.rope import far_offsets
 from oscar_core.rotations import VARIANTS, eigenvalues, label, orthogonality_error

@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import PurePosixPath
 
-from oscar_core.bundle import MANIFEST_FILE, Manifest
+from oscar_core.formats.bundle import MANIFEST_FILE, Manifest
 
 LICENSE = {"hf": "apache-2.0", "modelscope": "Apache License 2.0"}
 TAGS = ("kv-cache", "int2", "oscar", "quantization", "rotation")
@@ -53,7 +53,7 @@ def export_served(manifest: Manifest, eigenvalues: bool | None = None) -> tuple[
 
 
 def export_directory(manifest: Manifest, group: int) -> str:
-    from oscar_core.upstream import directory_name, model_directory
+    from oscar_core.publish.upstream import directory_name, model_directory
 
     c = manifest.calibration
     return f"{model_directory(manifest.model.id)}/{directory_name(c.tokens, c.samples, group)}"
@@ -117,7 +117,7 @@ def serve_section(manifest: Manifest, files_dir: str, how_to_get: list[str]) -> 
     """"Serve with SGLang": the environment and command of the method authors' runtime for rotation files in
     files_dir (upstream layout; per layer unless the manifest's source says per head), after the steps in
     how_to_get."""
-    from oscar_core.upstream import FORMAT_VERSIONS, serve_command, serve_env, shell_lines
+    from oscar_core.publish.upstream import FORMAT_VERSIONS, serve_command, serve_env, shell_lines
 
     q = manifest.quant
     clips = {"key": q.key_clip, "value": q.value_clip}
@@ -216,14 +216,15 @@ def model_card(manifest: Manifest, hub: str, repo: str, upstream_files: dict[str
                     ("file", "content"))
 
     lines += ["", "## Usage", "", "```bash", DOWNLOAD[hub].format(repo=repo, dir="oscar-bundle"), "```", "",
-              "```python", "from oscar_core.bundle import load_bundle",
+              "```python", "from oscar_core.formats.bundle import load_bundle",
               "",
               'bundle = load_bundle("oscar-bundle")        # checks the manifest and the checksum',
               'r_k = bundle.layer(0, "key_rotation")       # [kv_heads, head_dim, head_dim]',
               "```", "",
               "R_K is orthogonal, so q·k = (q·R_K)·(k·R_K): the read path rotates each query once and attends to",
               "the stored keys as they are. R_V can be folded into the value and output projections:",
-              "`oscar_core.absorb.absorb_value_rotation(model, bundle)`, then `OscarCache(bundle, values_absorbed=True)`."]
+              "`oscar_core.serve.absorb.absorb_value_rotation(model, bundle)`, then",
+              "`OscarCache(bundle, values_absorbed=True)`."]
     lines += serve_section(*export_served(manifest, eigenvalues))
     lines += vllm_section(manifest)
     lines += ["", "The export writes one rotation per layer (C_Q and C_S averaged over the KV heads), the only shape",

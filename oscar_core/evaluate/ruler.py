@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_core.data import bos_prefix
+from oscar_core.calibrate.data import bos_prefix
 from oscar_core.errors import OscarError
-from oscar_core.evaluate import encode, heldout_tokens
+from oscar_core.evaluate.perplexity import encode, heldout_tokens
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking", "common_words")
 NEEDLES, CHAINS, HOPS, COMMON = 4, 2, 4, 10

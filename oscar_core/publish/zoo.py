@@ -24,10 +24,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from oscar_core.bundle import MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest, bundle_layers, plain_name, schema_errors
 from oscar_core.equivalence import COVARIANCE_OF, Deviation, figure_deviations, json_differences, tensor_deviations
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_bytes, path_under
+from oscar_core.formats.bundle import (MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest, bundle_layers, plain_name,
+                                       schema_errors)
+from oscar_core.formats.fileio import atomic_write_bytes, path_under
 
 RECIPES_DIR = "recipes"
 BUNDLE_FILES = (TENSOR_FILE, MANIFEST_FILE)
@@ -143,7 +144,7 @@ def missing_requirements(recipe: Recipe) -> list[str]:
     """Why this machine cannot build the recipe, one phrase per reason; empty when it can."""
     import torch
 
-    from oscar_core.models import resolve
+    from oscar_core.calibrate.models import resolve
 
     missing = []
     if (recipe.device or "").startswith("cuda") and not torch.cuda.is_available():
@@ -179,9 +180,9 @@ def calibration_dir(work_dir: Path, recipe: Recipe) -> Path:
 def build_one(recipe: Recipe, zoo_root: Path, manifests_root: Path, work_dir: Path,
               on_progress: Callable[[int, int, float], None] | None = None) -> Path:
     """Calibrate, export the bundle into zoo_root and copy its manifest into manifests_root."""
-    from oscar_core.calibration import CalibrationRequest, calibrate
-    from oscar_core.distributed import launch_calibration
-    from oscar_core.export import export_bundle
+    from oscar_core.calibrate.calibration import CalibrationRequest, calibrate
+    from oscar_core.calibrate.distributed import launch_calibration
+    from oscar_core.calibrate.export import export_bundle
 
     calib_dir = calibration_dir(work_dir, recipe)
     request = CalibrationRequest(**recipe.calibration_fields())
@@ -258,7 +259,7 @@ def manifest_differences(committed: Manifest, rebuilt: Manifest) -> list[str]:
 
 def rotation_covariances(calib_dir: Path, manifest: Manifest) -> dict:
     """The rebuild's C_Q and C_S per layer, keyed by the rotation they belong to."""
-    from oscar_core.calibration import read_statistics
+    from oscar_core.calibrate.calibration import read_statistics
 
     stats, _ = read_statistics(calib_dir, manifest.model.num_heads)
     side = {"query": stats.query_covariance, "output": stats.score_weighted_value_covariance}
@@ -271,9 +272,9 @@ def verify_deviations(committed: Path, rebuilt: Bundle) -> tuple[list[Deviation]
     its headline figures against the recorded ones; ([], []) when nothing was recorded or it ran on CUDA."""
     import json
 
-    from oscar_core.data import load_samples
-    from oscar_core.models import load_model
-    from oscar_core.verify import VERIFY_FILE, measure_figures, resolve_model_spec
+    from oscar_core.calibrate.data import load_samples
+    from oscar_core.calibrate.models import load_model
+    from oscar_core.evaluate.verify import VERIFY_FILE, measure_figures, resolve_model_spec
 
     path = committed / VERIFY_FILE
     if not path.is_file():
@@ -294,7 +295,7 @@ def compare(committed: Path, rebuilt: Path, calib_dir: Path,
             run_verify: bool = True) -> tuple[str, list[Deviation], list[str]]:
     """(status, deviations, reasons) of a rebuild against the committed bundle: "same" when byte-identical,
     else "equivalent" or "differs" by the contract of the module doc."""
-    from oscar_core.bundle import load_bundle
+    from oscar_core.formats.bundle import load_bundle
 
     diff = differences(committed, rebuilt)
     if not diff:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from oscar_core import packaged
-from oscar_core.bundle import ModelInfo
+from oscar_core.calibrate import packaged
 from oscar_core.errors import OscarError
-from oscar_core.fileio import sha256_file
+from oscar_core.formats.bundle import ModelInfo
+from oscar_core.formats.fileio import sha256_file
 from oscar_core.layers import attention_layer_ids, check_config  # noqa: F401 (attention_layer_ids: re-exported)
 
 DEFAULT_MODEL = "default"

@@ -19,10 +19,10 @@ from contextlib import ExitStack
 
 import torch
 
-from oscar_core.attention import oscar_attention
-from oscar_core.cache import OscarCache
+from oscar_core.calibrate.models import cache_argument
 from oscar_core.errors import OscarError
-from oscar_core.models import cache_argument
+from oscar_core.serve.attention import oscar_attention
+from oscar_core.serve.cache import OscarCache
 
 
 class GreedyDecoder:

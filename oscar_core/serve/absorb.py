@@ -13,8 +13,8 @@ the decode kernel skips õ·R_V^T (decode.decode_attention with value_rotation N
 
 import torch
 
+from oscar_core.calibrate.models import attention_facts
 from oscar_core.errors import OscarError
-from oscar_core.models import attention_facts
 
 MARK = "oscar_values_absorbed"     # set on model.config: the bundle whose R_V the weights hold
 

@@ -104,8 +104,8 @@ def oscar_attention(model, cache):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from oscar_core import absorb
-    from oscar_core.statistics import route_attention
+    from oscar_core.calibrate.statistics import route_attention
+    from oscar_core.serve import absorb
 
     held = getattr(model.config, absorb.MARK, None)
     if bool(held) != cache.values_absorbed:

@@ -48,8 +48,12 @@ triton.decode.decode_attention after the write). There, a multi-token update is 
 attention mask: a sequence's leading pads are skipped, so its store starts at its first real token and ragged
 batches decode by kernel with per-sequence lengths (an update nothing attends is written as it came when the cache
 is next used). A step that reads by kernel does no host synchronisation and no host-to-device copy (bundle tensors
-are moved to the device once, on the first update), so it can be captured in a CUDA graph (oscar_core.decode_graph).
+are moved to the device once, on the first update), so it can be captured in a CUDA graph (serve/decode_graph.py).
 Every field of a layer is set by the layer's own methods.
+
+Long because the layer kinds (OscarLayer, RingLayer, SideStore) and the Cache around them share one state: the
+sequence lengths, the store and the kernel reads that every update and attend() keep consistent (the docstring above
+alone is 60 lines). The pure helpers (memory_plan, serving_problem) could move out first if it grows.
 """
 
 import copy
@@ -61,11 +65,12 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from oscar_core import kvstore, methods
-from oscar_core.attention import StandIn, install, oscar_attention  # noqa: F401 (oscar_attention: its old home)
-from oscar_core.bundle import fetch_bundle, load_bundle
+from oscar_core import kvstore
 from oscar_core.errors import OscarError
+from oscar_core.formats.bundle import fetch_bundle, load_bundle
 from oscar_core.layers import LayerSpec, holds_int2, layer_specs, manifest_specs
+from oscar_core.serve import methods
+from oscar_core.serve.attention import StandIn, install, oscar_attention  # noqa: F401 (oscar_attention: its old home)
 
 
 def _triton_write():

@@ -8,9 +8,9 @@ K̂ and V̂ are what the cache gives back; the first sink tokens stay exact.
 
 import torch
 
-from oscar_core.derive import quantize_rotated
+from oscar_core.calibrate.derive import quantize_rotated
+from oscar_core.calibrate.statistics import observe_attention
 from oscar_core.metrics import logit_error, output_error
-from oscar_core.statistics import observe_attention
 
 
 def capture_attention(model, input_ids: torch.Tensor) -> dict[int, tuple]:

@@ -19,7 +19,7 @@ in BF16): next-token KL against BF16, top-1 agreement and perplexity of each met
 the length a bundle is served (default 32,768 tokens on CUDA, the model's context where shorter; 2,048 on the CPU,
 where long contexts are slow: pass --seq-len), with the NLL excess over BF16 per position bucket (metrics.BUCKETS
 equal spans of the sample: an error that grows with position shows in the last buckets), and needle retrieval
-through each method's cache at the same length (evaluate.needle_prompt, greedy_answers).
+through each method's cache at the same length (perplexity.needle_prompt, greedy_answers).
 
 The gate: FAIL when
 - the length quantizes too little to judge (too_short);
@@ -35,6 +35,9 @@ The gate: FAIL when
 - only when given, its mean key logit error is above --max-logit-error.
 On CUDA the INT2 write path of OSCAR's per-token sides is the Triton kernel and the decode kernel is checked
 against exact attention at the last position; on the CPU the torch reference runs.
+
+Long because `oscar verify` is one report: the checks, the per-layer errors, the end-to-end figures, the needles
+and the gate read and write the same report dict; split by measure if another is added.
 """
 
 import math
@@ -44,13 +47,13 @@ from pathlib import Path
 
 import torch
 
-from oscar_core import methods
-from oscar_core.bundle import Bundle, Manifest, ModelInfo, bundle_layers
-from oscar_core.data import DEFAULT_HELDOUT
+from oscar_core.calibrate.data import DEFAULT_HELDOUT
 from oscar_core.errors import OscarError
-from oscar_core.fidelity import capture_attention, roundtrip
+from oscar_core.evaluate.fidelity import capture_attention, roundtrip
+from oscar_core.formats.bundle import Bundle, Manifest, ModelInfo, bundle_layers
 from oscar_core.metrics import bucket_figures, causal_attention, logit_error, relative_error
 from oscar_core.rotations import orthogonality_error
+from oscar_core.serve import methods
 
 ORTHOGONALITY_TOLERANCE = 1e-5
 VERIFY_FILE = "verify.json"  # `oscar verify --record` writes the headline figures beside the bundle
@@ -124,7 +127,7 @@ def load_checked(path) -> Bundle:
     """The bundle at `path` if it passes verify's integrity checks (load_bundle: schema, checksum, tensor names and
     shapes; check_tensors: orthogonal, clips in (0, 1], finite), else OscarError naming the first that fails: what
     push and upstream export hold a bundle to before anything leaves the machine."""
-    from oscar_core.bundle import load_bundle
+    from oscar_core.formats.bundle import load_bundle
 
     bundle = load_bundle(path)
     failure = first_failure(check_tensors(bundle))
@@ -239,7 +242,7 @@ def end_to_end(model, ids: torch.Tensor, runs: dict[str, tuple[str, Bundle]]) ->
     """Per run (name → (method, bundle)) on one sample ids [1, T]: KL(BF16 ‖ run) and top-1 agreement of the
     next-token distributions over every position, and perplexity over the T − 1 targets; "bf16": its perplexity.
     Each run is one teacher-forced forward through simulate_int2; logits are made LOGIT_CHUNK positions at a time."""
-    from oscar_core.simulate import simulate_int2
+    from oscar_core.serve.simulate import simulate_int2
 
     def hidden(method, bundle):
         with simulate_int2(model, method, bundle):
@@ -438,8 +441,8 @@ def resolve_model_spec(model: str | None, manifest_model: ModelInfo, source: str
     the hub id. A local model (a directory or file, not on the hub) with no path left to it is an error."""
     from pathlib import Path
 
-    from oscar_core.models import DEFAULT_MODEL, DEFAULT_MODEL_ID, default_gguf_path
-    from oscar_core.fileio import sha256_file
+    from oscar_core.calibrate.models import DEFAULT_MODEL, DEFAULT_MODEL_ID, default_gguf_path
+    from oscar_core.formats.fileio import sha256_file
 
     if model:
         return model
@@ -493,11 +496,11 @@ def default_seq_len(device: str, limit: int | None = None) -> int:
 @torch.inference_mode()
 def needle_check(loaded, bundle: Bundle, data: str, seq_len: int, prompts: int, seed: int,
                  methods_=NEEDLE_METHODS) -> dict:
-    """Needle retrieval at seq_len through each method's cache (evaluate.needle_prompt / greedy_answers): `prompts`
+    """Needle retrieval at seq_len through each method's cache (perplexity.needle_prompt / greedy_answers): `prompts`
     pass keys at depths spread evenly over 0.1..0.9 of held-out filler. {"prompts", "correct": {method: count}}."""
     import random
 
-    from oscar_core.evaluate import answer_matches, greedy_answers, heldout_tokens, needle_prompt
+    from oscar_core.evaluate.perplexity import answer_matches, greedy_answers, heldout_tokens, needle_prompt
 
     rng = random.Random(seed)
     filler = heldout_tokens(data, loaded.tokenizer, seq_len)
@@ -517,8 +520,8 @@ def run_verify(req: VerifyRequest, on_step: Callable[[str], None] | None = None)
     """The whole check (module doc): bundle checks, model resolution and loading, model checks, held-out samples,
     measurements, merging and the gate. Returns the JSON-ready report (report["passed"], report["reason"]); a
     failed bundle or model check, or a request that cannot run, raises OscarError in one line."""
-    from oscar_core.bundle import load_bundle
-    from oscar_core.models import load_model, resolve_device
+    from oscar_core.calibrate.models import load_model, resolve_device
+    from oscar_core.formats.bundle import load_bundle
 
     step = on_step or (lambda s: None)
     if req.samples < 1:
@@ -547,7 +550,7 @@ def measure_loaded(loaded, device: str, b: Bundle, other: Bundle | None, req: Ve
     """run_verify from the model checks on, for bundles already checked (checks) and a model loaded on `device`:
     what `oscar upstream export` runs on a served variant held in memory. compared: the methods measured beside
     OSCAR (KIVI-style is what the gate needs)."""
-    from oscar_core.data import load_samples
+    from oscar_core.calibrate.data import load_samples
 
     m = b.manifest
     report = {"bundle": str(b.path), "name": m.name, "version": m.version}

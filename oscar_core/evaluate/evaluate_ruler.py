@@ -1,7 +1,7 @@
 """`oscar eval --suite ruler`: the RULER-style tasks of ruler.py answered greedily through every method's KV cache.
 
 At each context L, each task's prompts 0..samples−1 (ruler.sample, seeded) are answered by
-evaluate.greedy_answers (one exact prefill, then model.generate through each method's OscarCache) and scored by
+perplexity.greedy_answers (one exact prefill, then model.generate through each method's OscarCache) and scored by
 ruler.string_match_all:
     score(method, L, task) = mean over the task's prompts of the fraction of expected strings in the answer
     average(method, L)     = mean over the tasks that fit L
@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from oscar_core import methods
-from oscar_core.data import DEFAULT_HELDOUT
+from oscar_core.calibrate.data import DEFAULT_HELDOUT
 from oscar_core.errors import UsageError
-from oscar_core.evaluate import check_bundle, check_lengths, greedy_answers
-from oscar_core.ruler import TASKS, DoesNotFit, haystack, sample, string_match_all
+from oscar_core.evaluate.perplexity import check_bundle, check_lengths, greedy_answers
+from oscar_core.evaluate.ruler import TASKS, DoesNotFit, haystack, sample, string_match_all
+from oscar_core.serve import methods
 
 CUDA_SAMPLES, CPU_SAMPLES = 50, 4
 

@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 
 from oscar_core import __version__
-from oscar_core.bundle import (CONTEXTS_REPORTED, MAX_TOKENS, Bundle, CalibrationInfo, Manifest, ModelInfo, QuantInfo,
-                               RotationInfo, SourceInfo, TensorFileInfo, bundle_layers, group_size_problem,
-                               schema_errors, write_bundle)
+from oscar_core.formats.bundle import (CONTEXTS_REPORTED, MAX_TOKENS, Bundle, CalibrationInfo, Manifest, ModelInfo,
+                                       QuantInfo, RotationInfo, SourceInfo, TensorFileInfo, bundle_layers,
+                                       group_size_problem, schema_errors, write_bundle)
 from oscar_core.errors import OscarError, UsageError
-from oscar_core.fileio import atomic_write_dir, canonical_json, path_under, sha256_bytes
+from oscar_core.formats.fileio import atomic_write_dir, canonical_json, path_under, sha256_bytes
 from oscar_core.rotations import eigenvalues, label, orthogonality_error, oscar_covariance, rotation
 
 FORMAT_VERSIONS = {"layer": 1, "head": 2}   # the format version that carries each grouping
@@ -282,7 +282,7 @@ def files_bundle(files: dict[str, SideFile], directory: Path, record: dict | Non
                  key_clip: float | None = None, value_clip: float | None = None, group_size: int | None = None,
                  name: str | None = None, version: str | None = None, specs: list | None = None):
     """upstream_bundle of validated files (side_files) and the record beside them (read_record, or None)."""
-    from oscar_core.export import average_bits, bundle_name, check_bundle_name
+    from oscar_core.calibrate.export import average_bits, bundle_name, check_bundle_name
     from oscar_core.layers import int2_reason, windows
 
     parsed = parse_directory_name(directory.name)
@@ -411,7 +411,7 @@ def _check_composition(m: Manifest) -> None:
 
 
 def _statistics_for(bundle: Bundle, calib_dir: str | Path):
-    from oscar_core.calibration import read_record as read_calibration, read_statistics
+    from oscar_core.calibrate.calibration import read_record as read_calibration, read_statistics
 
     record = read_calibration(calib_dir)
     m = bundle.manifest
@@ -454,9 +454,9 @@ def plan_export(bundle_path: str | Path, out_root: str | Path, calib_dir: str | 
     clips: "searched" (one ratio per side, on the calibration probe, minimising the mean over layers and heads of
     the relative key-logit / value-output error of the served variant: keys uncentred, group G; needs calib_dir),
     or "upstream" (0.96 / 0.92); key_clip / value_clip override either."""
-    from oscar_core.derive import CLIP_GRID, KEY_CLIP_FLOOR, search_global_clip, uncentred_clip_errors
+    from oscar_core.calibrate.derive import CLIP_GRID, KEY_CLIP_FLOOR, search_global_clip, uncentred_clip_errors
 
-    from oscar_core.verify import load_checked
+    from oscar_core.evaluate.verify import load_checked
 
     bundle = load_checked(bundle_path)
     m = bundle.manifest

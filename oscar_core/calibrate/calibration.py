@@ -21,15 +21,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from oscar_core import __version__, distributed
-from oscar_core.data import DEFAULT_CALIBRATION, bos_prefix, load_samples
+from oscar_core import __version__
+from oscar_core.calibrate import distributed
+from oscar_core.calibrate.data import DEFAULT_CALIBRATION, bos_prefix, load_samples
+from oscar_core.calibrate.models import (attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device,
+                                         rope_frequencies)
+from oscar_core.calibrate.statistics import AttentionStatistics, observe_attention
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_bytes, atomic_write_json, remove_stale_temporaries
+from oscar_core.formats.fileio import atomic_write_bytes, atomic_write_json, remove_stale_temporaries
+from oscar_core.formats.provenance import model_source, platform_record
 from oscar_core.layers import layer_specs, windows
-from oscar_core.models import (attention_layer_ids, gpu_memory, load_model, model_devices, resolve_device,
-                               rope_frequencies)
-from oscar_core.provenance import model_source, platform_record
-from oscar_core.statistics import AttentionStatistics, observe_attention
 
 STATISTICS_FILE = "statistics.safetensors"
 RECORD_FILE = "calibration.json"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_json
+from oscar_core.formats.fileio import atomic_write_json
 
 LAUNCHED = "OSCAR_LAUNCHED"  # set for the processes of launch(): the launcher reports their errors
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from oscar_core import quant
-from oscar_core.bundle import bundle_layers
 from oscar_core.errors import OscarError
+from oscar_core.formats.bundle import bundle_layers
 from oscar_core.layers import window_recent
 from oscar_core.rotations import hadamard
 

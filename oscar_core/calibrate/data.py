@@ -23,7 +23,7 @@ from oscar_core.errors import OscarError
 DEFAULT_CALIBRATION = "default"
 DEFAULT_HELDOUT = "default-heldout"
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
-HELDOUT_FILE = Path(__file__).parent / "corpus" / "heldout.txt"
+HELDOUT_FILE = Path(__file__).parent.parent / "corpus" / "heldout.txt"
 HELDOUT_SEPARATOR = "\n\f\n"
 
 

@@ -33,7 +33,7 @@ from safetensors.torch import save as save_safetensors
 
 from oscar_core import __version__
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_dir, canonical_json, check_name, sha256_bytes
+from oscar_core.formats.fileio import atomic_write_dir, canonical_json, check_name, sha256_bytes
 
 SCHEMA_VERSION = 1
 TENSOR_FILE = "rotations.safetensors"
@@ -86,7 +86,7 @@ class ModelInfo(Strict):
 
 
 class LayerQuant(Strict):
-    """How one layer's keys are quantized, and the figures that decided it (oscar_core/derive.choose_key_axis)."""
+    """How one layer's keys are quantized, and the figures that decided it (derive.choose_key_axis)."""
     layer: int = Field(ge=0)
     key_axis: Literal["token", "channel"] = Field(
         description="token: groups of G channels of one token; channel: groups of G tokens of one channel")
@@ -168,7 +168,7 @@ class ToolInfo(Strict):
 
 
 class SourceInfo(Strict):
-    """Where an imported bundle came from (oscar_core/upstream.py)."""
+    """Where an imported bundle came from (oscar_core/publish/upstream.py)."""
     format: str = Field(description="e.g. 'upstream RotationZoo (SGLang)'")
     format_version: int
     path: str = Field(description="the directory it was imported from, as given")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oscar_core.errors import OscarError
-from oscar_core.fileio import atomic_write_stream, sha256_file
+from oscar_core.formats.fileio import atomic_write_stream, sha256_file
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from oscar_core.errors import OscarError
-from oscar_core.upstream import ExportPlan, served_bundle
-from oscar_core.verify import (VerifyRequest, check_tensors, first_failure, headline, load_checked, measure_loaded,
-                               resolve_model_spec)
+from oscar_core.evaluate.verify import (VerifyRequest, check_tensors, first_failure, headline, load_checked,
+                                        measure_loaded, resolve_model_spec)
+from oscar_core.publish.upstream import ExportPlan, served_bundle
 
 SEQ_LEN = 2048      # verify's CPU length: past the BF16 windows, and minutes, not hours, on a CPU
 COMPARED = ("oscar", "kivi")   # the served variant and what the gate holds it to
@@ -25,7 +25,7 @@ def measure_served(plan: ExportPlan, req: VerifyRequest, on_step: Callable[[str]
     """verify's report (verify.measure_loaded) for the plan's served variant, with the bundle at req.bundle as the
     compared one (report["compare"]); req.seq_len None: SEQ_LEN, capped by the model's context; needles only when
     asked. report["passed"] is verify's gate for the served variant."""
-    from oscar_core.models import load_model, resolve_device
+    from oscar_core.calibrate.models import load_model, resolve_device
 
     step = on_step or (lambda s: None)
     source = load_checked(req.bundle)

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_core import methods
-from oscar_core.attention import oscar_attention
-from oscar_core.cache import OscarCache, exact_cache, fill
-from oscar_core.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
+from oscar_core.calibrate.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
+from oscar_core.calibrate.models import cache_argument
 from oscar_core.errors import OscarError, UsageError
 from oscar_core.metrics import bucket_figures
-from oscar_core.models import cache_argument
-from oscar_core.simulate import simulate_int2
+from oscar_core.serve import methods
+from oscar_core.serve.attention import oscar_attention
+from oscar_core.serve.cache import OscarCache, exact_cache, fill
+from oscar_core.serve.simulate import simulate_int2
 
 NEEDLE_INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                 "Find it and memorize it. I will quiz you about it.\n")
@@ -78,7 +78,7 @@ def check_bundle(bundle, info, config=None) -> None:
                          f"{b.num_kv_heads} KV heads of dim {b.head_dim}), not {info.id} ({info.num_layers} layers, "
                          f"{info.num_kv_heads} KV heads of dim {info.head_dim})")
     if config is not None:
-        from oscar_core.verify import check_layers
+        from oscar_core.evaluate.verify import check_layers
 
         layers = check_layers(bundle.manifest, config)
         if not layers.ok:

@@ -22,9 +22,9 @@ from contextlib import contextmanager
 
 import torch
 
-from oscar_core import methods
+from oscar_core.calibrate.statistics import route_attention
 from oscar_core.layers import check_window, holds_int2, layer_specs, visible, window_recent, windowed_attention
-from oscar_core.statistics import route_attention
+from oscar_core.serve import methods
 
 ATTENTION_NAME = "oscar_simulate"
 CHUNK = 512

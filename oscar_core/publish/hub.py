@@ -12,12 +12,12 @@ import os
 import re
 from dataclasses import dataclass
 
-from oscar_core.bundle import MANIFEST_FILE, Manifest
-from oscar_core.card import model_card
 from oscar_core.errors import OscarError
-from oscar_core.fileio import check_name, sha256_bytes
-from oscar_core.verify import load_checked, recorded_figures
-from oscar_core.hub_clients import HfClient, ModelScopeClient, Remote, RemoteFile
+from oscar_core.evaluate.verify import load_checked, recorded_figures
+from oscar_core.formats.bundle import MANIFEST_FILE, Manifest
+from oscar_core.formats.fileio import check_name, sha256_bytes
+from oscar_core.publish.card import model_card
+from oscar_core.publish.hub_clients import HfClient, ModelScopeClient, Remote, RemoteFile
 
 HUBS = ("hf", "modelscope")
 HUB_NAMES = {"hf": "Hugging Face", "modelscope": "ModelScope"}
@@ -112,8 +112,8 @@ def plan_push(bundle: str, hub: str, repo: str, revision: str | None = None, pri
 def plan_upstream_push(directory: str, hub: str, repo: str, revision: str | None, private: bool) -> Plan:
     from pathlib import Path
 
-    from oscar_core import upstream
-    from oscar_core.bundle import ModelInfo, bundle_dir, schema_errors
+    from oscar_core.formats.bundle import ModelInfo, bundle_dir, schema_errors
+    from oscar_core.publish import upstream
 
     path = Path(directory)
     if (path / MANIFEST_FILE).is_file() or (path.is_file() and path.name in (MANIFEST_FILE, "rotations.safetensors")):
