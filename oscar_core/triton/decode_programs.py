@@ -327,10 +327,11 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
                 s = dot(u3, q3t, s, F32)
                 if PAGED:
                     koff = (pb + pr * NGK)[:, None] + gk[None, :]
+                    ksc = tl.load(ksc_ptr + koff, mask=valid[:, None], other=0)
+                    kz = tl.load(kz_ptr + koff, mask=valid[:, None], other=0)
                 else:
-                    koff = kmeta0 + n[:, None] * NGK + gk[None, :]
-                ksc = tl.load(ksc_ptr + koff, mask=valid[:, None], other=0)
-                kz = tl.load(kz_ptr + koff, mask=valid[:, None], other=0)
+                    ksc = tl.load(ksc_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
+                    kz = tl.load(kz_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
                 kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, :, None]
                 s3 = tl.reshape(s, [BLOCK_N, NGK, HGP])
                 x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, :, None] * q_sum_t), axis=1)
@@ -350,10 +351,11 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
                 s = dot(q3, tl.trans(u3), s, F32)
                 if PAGED:
                     koff = (pb + pr * NGK)[None, :] + gk[:, None]
+                    ksc = tl.load(ksc_ptr + koff, mask=valid[None, :], other=0)
+                    kz = tl.load(kz_ptr + koff, mask=valid[None, :], other=0)
                 else:
-                    koff = kmeta0 + n[None, :] * NGK + gk[:, None]
-                ksc = tl.load(ksc_ptr + koff, mask=valid[None, :], other=0)
-                kz = tl.load(kz_ptr + koff, mask=valid[None, :], other=0)
+                    ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+                    kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
                 kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
                 s3 = tl.reshape(s, [NGK, HGP, BLOCK_N])
                 x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum), axis=0)
@@ -379,10 +381,11 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
         if KEY_T:
             if PAGED:
                 voff = (pb + pr * NGV)[:, None] + gv[None, :]
+                vsc = tl.load(vsc_ptr + voff, mask=valid[:, None], other=0)
+                vz = tl.load(vz_ptr + voff, mask=valid[:, None], other=0)
             else:
-                voff = vmeta0 + n[:, None] * NGV + gv[None, :]
-            vsc = tl.load(vsc_ptr + voff, mask=valid[:, None], other=0)
-            vz = tl.load(vz_ptr + voff, mask=valid[:, None], other=0)
+                vsc = tl.load(vsc_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
+                vz = tl.load(vz_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
             vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
             a3 = (p[:, None, :] * vstep[:, :, None]).to(tl.bfloat16)
             z_sum = z_sum * alpha[None, :] + tl.sum(a3.to(tl.float32) * (vz.to(tl.float32) * 0.25)[:, :, None], axis=0)
@@ -390,10 +393,11 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
         else:
             if PAGED:
                 voff = (pb + pr * NGV)[None, :] + gv[:, None]
+                vsc = tl.load(vsc_ptr + voff, mask=valid[None, :], other=0)
+                vz = tl.load(vz_ptr + voff, mask=valid[None, :], other=0)
             else:
-                voff = vmeta0 + n[None, :] * NGV + gv[:, None]
-            vsc = tl.load(vsc_ptr + voff, mask=valid[None, :], other=0)
-            vz = tl.load(vz_ptr + voff, mask=valid[None, :], other=0)
+                vsc = tl.load(vsc_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
+                vz = tl.load(vz_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
             vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
             a3 = (p[None, :, :] * vstep[:, None, :]).to(tl.bfloat16)
             z_sum = z_sum * alpha[None, :] + tl.sum(a3.to(tl.float32) * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
@@ -471,7 +475,8 @@ def expired_rows(length, n_int2, T, S: tl.constexpr, W: tl.constexpr, HOLE: tl.c
 @triton.jit
 def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, len_ptr,
                   po_ptr, pm_ptr, pl_ptr, scale_log2, log2_scale, T, n_int2_splits, min_chunk, NS,
-                  bt_ptr, ws_ptr, page_stride, max_pages, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+                  bt_ptr, ws_ptr, page_stride, max_pages,
+                  HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr,
                   F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, PDL: tl.constexpr,
