@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from oscar_core.kvstore import Int2KVCache
+from oscar_core.paged import PagedKVCache
 from oscar_core.triton import replay
 from oscar_core.triton.decode_programs import LOG2E, _reduce_kernel, _split_kernel, rotate_query_bf16
 from oscar_core.triton.launch import cached
@@ -71,15 +72,25 @@ def _arrays(cache: Int2KVCache) -> tuple[tuple, tuple]:
             (cache.key_scale, cache.key_zero, cache.value_scale, cache.value_zero))
 
 
-def shape_of(q: torch.Tensor, cache: Int2KVCache) -> DecodeShape:
-    """What the plan's rules read of a call of q [B, H, d] over cache."""
+def shape_of(q: torch.Tensor, cache: Int2KVCache | PagedKVCache) -> DecodeShape:
+    """What the plan's rules read of a call of q [B, H, d] over cache (a paged one: page, and rows its most)."""
     bsz, heads, d = q.shape
     codes, meta = _arrays(cache)
+    paged = isinstance(cache, PagedKVCache)
     return DecodeShape(batch=bsz, heads=heads, kv_heads=cache.key_codes.shape[1], head_dim=d,
                        key_group=cache.key_group_size, value_group=cache.value_group_size, key_axis=cache.key_axis,
                        sink=cache.sink_tokens, recent=cache.recent_tokens, ring_slots=cache.ring_slots,
-                       rows=cache.key_codes.shape[2], value_tiles=cache.value_tiles, window=cache.window is not None,
-                       joint=q.is_cuda and _one_after_another(codes) and _one_after_another(meta))
+                       rows=cache.rows if paged else cache.key_codes.shape[2], value_tiles=cache.value_tiles,
+                       window=cache.window is not None, page=cache.page_tokens if paged else 0,
+                       joint=not paged and q.is_cuda and _one_after_another(codes) and _one_after_another(meta))
+
+
+def page_args(cache: Int2KVCache | PagedKVCache) -> tuple:
+    """The split programs' block table, window slots, page stride (bytes) and block table width: a paged store's,
+    or for any other store placeholders the programs never read."""
+    if isinstance(cache, PagedKVCache):
+        return cache.block_table, cache.window_slot, cache.page_stride, cache.block_table.shape[1]
+    return cache.lengths, cache.lengths, 0, 0
 
 
 def device_of(q: torch.Tensor, cache: Int2KVCache) -> Device:
@@ -227,6 +238,7 @@ def launches(shape: DecodeShape, plan: DecodePlan, device: Device, max_length: i
                         QP=max(16, hgp), NW=nw, BLOCK_N=block_n, BLOCK_W=plan.block_w, KEY_T=plan.key_t,
                         USE_ASM=plan.use_asm, F32=not device.cuda, TB=tb, R=shape.ring_slots if tb > 1 else 1,
                         VT=shape.value_tiles, PDL=window_pdl, HOLE=shape.hole, SLIDE=shape.window,
+                        PAGED=shape.page > 0, PAGE=max(shape.page, 1),
                         num_warps=plan.window_warps if plan.gluon else plan.num_warps, num_stages=plan.num_stages,
                         **(dict(launch_pdl=True) if window_pdl else {}))
     gluon_consts = dict(**gluon_options(plan), **gluon_constexprs(shape, plan), **launch) if plan.gluon else {}
@@ -302,8 +314,8 @@ def _direct(q, cache, key_rotation, value_rotation, value_mean, scaling, plan, m
         cached(_split_kernel)(
             run.split_grid, q_in, cache.key_sink, cache.value_sink, cache.key_recent, cache.value_recent,
             cache.key_codes, cache.key_scale, cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero,
-            cache.lengths, po, pm, pl, scale_log2, math.log2(scale_log2), cache.key_codes.shape[2], run.n_int2,
-            run.min_chunk, run.ns, **run.split_consts)
+            cache.lengths, po, pm, pl, scale_log2, math.log2(scale_log2), shape.rows, run.n_int2,
+            run.min_chunk, run.ns, *page_args(cache), **run.split_consts)
     if plan.gluon:
         cached(_gluon()._int2_split_kernel)(
             run.gluon_grid, *_gluon_args(q_in, cache, po, pm, pl, math.log2(scale_log2), run.n_int2, run.min_chunk,
@@ -318,7 +330,8 @@ def decode_attention(q: torch.Tensor, cache: Int2KVCache, key_rotation: torch.Te
                      value_rotation: torch.Tensor | None, value_mean: torch.Tensor | None, scaling: float,
                      plan: DecodePlan | None = None, *, max_length: int | None = None, out: torch.Tensor | None = None,
                      graph: bool | None = None) -> torch.Tensor:
-    """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d].
+    """Triton kvstore.decode_attention_reference: q [B, H, d] original space -> o [B, H, d]. cache: an Int2KVCache,
+    or a paged.PagedKVCache (sequence b's rows through its block table row, its windows in its window slot).
 
     plan: the launch settings (None: plan_for's, the rules' for this shape). max_length: the longest sequence
     expected (e.g. a static bound for CUDA-graph capture; None: the store's capacity), only a hint for how many

@@ -40,6 +40,11 @@ sequence's last N tokens past its sink, so it is read like any store, over its m
 order: attention does not depend on it; for a global layer's store n_int2 ≤ T always); the window programs skip the
 sink tokens that have left the window (SLIDE) and, with keys per channel, the INT2 programs the rows of the oldest
 block that have (HOLE, expired_rows). A window kept whole in BF16 (T = 0) is read by the window programs alone.
+
+A paged store (paged.PagedKVCache, the compile-time PAGED): INT2 row n of sequence b, head h is row n mod P of head h
+of page block_table[b, (S + n) div P], the page's arrays page_stride bytes apart (_page_rows), and its BF16 windows
+are those of window slot window_slot[b]. A page of one head is a store's pair of P rows, so everything else is the
+same code; without PAGED the programs compile as before (the block table and slot arguments unread).
 """
 
 import torch
@@ -231,16 +236,28 @@ def _channel_scores(q0, q1, q2, q3, u0, u1, u2, u3, ksc_ptr, kz_ptr, meta, j, lo
 
 
 @triton.jit
+def _page_rows(bt_row, h, n, valid, page_stride, PAGE: tl.constexpr, S: tl.constexpr):
+    """Where INT2 rows n (position S + n) of head h of a paged store are: (byte offset of each one's page,
+    page_stride a page, int64; its row within the page's [H_kv, PAGE] rows), the page read from the sequence's
+    block table row bt_row (paged.PagedKVCache; S a whole number of pages)."""
+    page = tl.load(bt_row + (S + n) // PAGE, mask=valid, other=0).to(tl.int64)
+    return page * page_stride, h * PAGE + (S + n) % PAGE
+
+
+@triton.jit
 def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
-               bh, start, end, q_row0, log2_scale, T, slot, hole_lo, hole_hi,
+               bh, start, end, q_row0, log2_scale, T, slot, hole_lo, hole_hi, bt_row, h, page_stride,
                HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HGP: tl.constexpr,
                BLOCK_N: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr, F32: tl.constexpr,
-               TB: tl.constexpr, VT: tl.constexpr, HOLE: tl.constexpr):
+               TB: tl.constexpr, VT: tl.constexpr, HOLE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+               S: tl.constexpr):
     """Attention over INT2 rows [start, end) of one sequence and KV head. KEY_T computes the score tile
     transposed (tokens as rows); both orders give the same function. TB > 1: keys per channel over blocks
     of TB tokens (scale / zero codes [T/TB, D]), each tile inside one block (BLOCK_N divides TB), scored by
     _channel_scores; GK then only stacks the query's channels as rows. VT: value codes in 64-row tiles
-    (kvstore's value_layout "tiles"). HOLE: rows [hole_lo, hole_hi) are skipped (a window's expired rows)."""
+    (kvstore's value_layout "tiles"). HOLE: rows [hole_lo, hole_hi) are skipped (a window's expired rows).
+    PAGED (paged.PagedKVCache): row n is row n mod PAGE of head h in page bt_row[(S + n) div PAGE] (bt_row: the
+    sequence's block table row), each array page_stride bytes a page (_page_rows); otherwise row n of pair bh."""
     NGK: tl.constexpr = D // GK
     NGV: tl.constexpr = D // GV
     MK: tl.constexpr = NGK * HGP
@@ -285,10 +302,18 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
         valid = n < end
         if HOLE:
             valid = valid & ((n < hole_lo) | (n >= hole_hi))
-        kp = tl.load(kc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
+        if PAGED:
+            pb, pr = _page_rows(bt_row, h, n, valid, page_stride, PAGE, S)
+            kp = tl.load(kc_ptr + pb[:, None] + pr[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
+        else:
+            kp = tl.load(kc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
         u0, u1, u2, u3 = _unpack_raw(kp, USE_ASM)
         if TB > 1:
-            meta = bh.to(tl.int64) * (T // TB) * D + (t0 // TB) * D
+            if PAGED:   # the tile's key block: its row of its page
+                page = tl.load(bt_row + (S + t0) // PAGE).to(tl.int64)
+                meta = page * page_stride + (h * (PAGE // TB) + ((S + t0) % PAGE) // TB) * D
+            else:
+                meta = bh.to(tl.int64) * (T // TB) * D + (t0 // TB) * D
         if KEY_T:
             if TB > 1:
                 x = _channel_scores(q0, q1, q2, q3, u0, u1, u2, u3, ksc_ptr, kz_ptr, meta, j, log2_scale,
@@ -300,8 +325,13 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
                 s = dot(u1, q1t, s, F32)
                 s = dot(u2, q2t, s, F32)
                 s = dot(u3, q3t, s, F32)
-                ksc = tl.load(ksc_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
-                kz = tl.load(kz_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
+                if PAGED:
+                    koff = (pb + pr * NGK)[:, None] + gk[None, :]
+                    ksc = tl.load(ksc_ptr + koff, mask=valid[:, None], other=0)
+                    kz = tl.load(kz_ptr + koff, mask=valid[:, None], other=0)
+                else:
+                    ksc = tl.load(ksc_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
+                    kz = tl.load(kz_ptr + kmeta0 + n[:, None] * NGK + gk[None, :], mask=valid[:, None], other=0)
                 kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, :, None]
                 s3 = tl.reshape(s, [BLOCK_N, NGK, HGP])
                 x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, :, None] * q_sum_t), axis=1)
@@ -319,8 +349,13 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
                 s = dot(q1, tl.trans(u1), s, F32)
                 s = dot(q2, tl.trans(u2), s, F32)
                 s = dot(q3, tl.trans(u3), s, F32)
-                ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
-                kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+                if PAGED:
+                    koff = (pb + pr * NGK)[None, :] + gk[:, None]
+                    ksc = tl.load(ksc_ptr + koff, mask=valid[None, :], other=0)
+                    kz = tl.load(kz_ptr + koff, mask=valid[None, :], other=0)
+                else:
+                    ksc = tl.load(ksc_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
+                    kz = tl.load(kz_ptr + kmeta0 + n[None, :] * NGK + gk[:, None], mask=valid[None, :], other=0)
                 kstep = tl.exp2((ksc.to(tl.float32) - 128.0) * 0.125 + log2_scale)[:, None, :]
                 s3 = tl.reshape(s, [NGK, HGP, BLOCK_N])
                 x = tl.sum(kstep * (s3 + (kz.to(tl.float32) * 0.25)[:, None, :] * q_sum), axis=0)
@@ -332,22 +367,37 @@ def _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, 
         m = m_new
 
         if VT:
-            offsets = code_offsets(bh.to(tl.int64) * T + n, 0, D, D, True)
+            if PAGED:
+                offsets = (pb // 2)[:, None] + code_offsets(pr, 0, D, D, True)
+            else:
+                offsets = code_offsets(bh.to(tl.int64) * T + n, 0, D, D, True)
             halves = tl.load(vc_ptr.to(tl.pointer_type(tl.int16)) + offsets, mask=valid[:, None], other=0)
             vp = tl.reshape(tl.join(halves.to(tl.uint8), (halves >> 8).to(tl.uint8)), [BLOCK_N, DB])
+        elif PAGED:
+            vp = tl.load(vc_ptr + pb[:, None] + pr[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
         else:
             vp = tl.load(vc_ptr + code0 + n[:, None] * DB + j[None, :], mask=valid[:, None], other=0)
         w0, w1, w2, w3 = _unpack(vp, USE_ASM)
         if KEY_T:
-            vsc = tl.load(vsc_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
-            vz = tl.load(vz_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
+            if PAGED:
+                voff = (pb + pr * NGV)[:, None] + gv[None, :]
+                vsc = tl.load(vsc_ptr + voff, mask=valid[:, None], other=0)
+                vz = tl.load(vz_ptr + voff, mask=valid[:, None], other=0)
+            else:
+                vsc = tl.load(vsc_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
+                vz = tl.load(vz_ptr + vmeta0 + n[:, None] * NGV + gv[None, :], mask=valid[:, None], other=0)
             vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
             a3 = (p[:, None, :] * vstep[:, :, None]).to(tl.bfloat16)
             z_sum = z_sum * alpha[None, :] + tl.sum(a3.to(tl.float32) * (vz.to(tl.float32) * 0.25)[:, :, None], axis=0)
             a = tl.trans(tl.reshape(a3, [BLOCK_N, MV]))
         else:
-            vsc = tl.load(vsc_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
-            vz = tl.load(vz_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
+            if PAGED:
+                voff = (pb + pr * NGV)[None, :] + gv[:, None]
+                vsc = tl.load(vsc_ptr + voff, mask=valid[None, :], other=0)
+                vz = tl.load(vz_ptr + voff, mask=valid[None, :], other=0)
+            else:
+                vsc = tl.load(vsc_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
+                vz = tl.load(vz_ptr + vmeta0 + n[None, :] * NGV + gv[:, None], mask=valid[None, :], other=0)
             vstep = tl.exp2((vsc.to(tl.float32) - 128.0) * 0.125)
             a3 = (p[None, :, :] * vstep[:, None, :]).to(tl.bfloat16)
             z_sum = z_sum * alpha[None, :] + tl.sum(a3.to(tl.float32) * (vz.to(tl.float32) * 0.25)[:, None, :], axis=2)
@@ -425,14 +475,17 @@ def expired_rows(length, n_int2, T, S: tl.constexpr, W: tl.constexpr, HOLE: tl.c
 @triton.jit
 def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, len_ptr,
                   po_ptr, pm_ptr, pl_ptr, scale_log2, log2_scale, T, n_int2_splits, min_chunk, NS,
+                  bt_ptr, ws_ptr, page_stride, max_pages,
                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                   S: tl.constexpr, W: tl.constexpr, HGP: tl.constexpr, QP: tl.constexpr, NW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, KEY_T: tl.constexpr, USE_ASM: tl.constexpr,
                   F32: tl.constexpr, TB: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, PDL: tl.constexpr,
-                  HOLE: tl.constexpr, SLIDE: tl.constexpr):
+                  HOLE: tl.constexpr, SLIDE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
     """Program (sid, bh): split sid of (sequence, KV head) bh, its partial output for _reduce_kernel. TB > 1: keys
     per channel over blocks of TB tokens, a ring of R slots (kvstore.Int2KVCache). PDL: launched as a programmatic
-    dependent of the query rotation, whose q̃ it reads only after gdc_wait."""
+    dependent of the query rotation, whose q̃ it reads only after gdc_wait. PAGED (paged.PagedKVCache): sequence b's
+    INT2 rows in pages of PAGE rows through its block table row bt_ptr[b, :max_pages], its BF16 windows in window
+    slot ws_ptr[b]; T its most rows."""
     if PDL:
         gdc_wait()
     sid = tl.program_id(0)
@@ -443,7 +496,10 @@ def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr
     q_row0 = b * (HKV * HG) + h * HG
     slot = bh * NS + sid
     if sid < NW:
-        _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, bh, length, q_row0, scale_log2,
+        wbh = bh
+        if PAGED:
+            wbh = tl.load(ws_ptr + b) * HKV + h
+        _window_part(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, po_ptr, pm_ptr, pl_ptr, wbh, length, q_row0, scale_log2,
                      slot, sid, T, HG, D, S, W, QP, BLOCK_W, F32, TB, R, SLIDE)
     else:
         # This sequence's INT2 rows over the n_int2_splits programs: chunks of whole tiles, at least min_chunk.
@@ -457,9 +513,13 @@ def _split_kernel(q_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, kc_ptr, ksc_ptr, kz_ptr
         start = (sid - NW) * chunk
         end = tl.minimum(start + chunk, n_int2)
         if start < end:
+            bt_row = bt_ptr
+            if PAGED:
+                bt_row = bt_ptr + b.to(tl.int64) * max_pages
             _int2_part(q_ptr, kc_ptr, ksc_ptr, kz_ptr, vc_ptr, vsc_ptr, vz_ptr, po_ptr, pm_ptr, pl_ptr,
-                       bh, start, end, q_row0, log2_scale, T, slot, hole_lo, hole_hi, HG, D, GK, GV, HGP,
-                       BLOCK_N, KEY_T, USE_ASM, F32, TB, VT, HOLE)
+                       bh, start, end, q_row0, log2_scale, T, slot, hole_lo, hole_hi,
+                       bt_row, h, page_stride, HG, D, GK, GV, HGP,
+                       BLOCK_N, KEY_T, USE_ASM, F32, TB, VT, HOLE, PAGED, PAGE, S)
         else:
             r = tl.arange(0, HGP)
             tl.store(pm_ptr + slot * HG + r, tl.full([HGP], -1e30, tl.float32), mask=r < HG)

@@ -46,6 +46,7 @@ class DecodeShape:
     value_tiles: bool = True    # value codes in 64-row tiles (value_layout "tiles")
     window: bool = False        # a sliding layer's store (kvstore.window_cache): its INT2 rows a ring
     joint: bool = True          # INT2 arrays laid out as kvstore.empty_cache lays them (decode.tma_descriptors)
+    page: int = 0               # a paged store's tokens a page (paged.PagedKVCache; rows: its most); 0: not paged
 
     @property
     def pairs(self) -> int:
@@ -138,8 +139,11 @@ def gluon_problem(shape: DecodeShape, device: Device) -> str | None:
     """Why the Gluon INT2 programs (decode_gluon.py) do not serve a call the Triton programs serve (None: they do):
     they need a CUDA device of compute capability 8.0 or newer, head_dim 64, 128 or 256, value groups (and key
     groups, keys per token; key blocks, keys per channel) of 64 or 128 within the head, up to 16 query heads per KV
-    head, and whole 64-row blocks of INT2 rows (kvstore.int2_rows allocates them so)."""
+    head, and whole 64-row blocks of INT2 rows (kvstore.int2_rows allocates them so); they do not read pages
+    through a block table (a paged store's rows go to the Triton programs)."""
     d, gk, gv = shape.head_dim, shape.key_group, shape.value_group
+    if shape.page:
+        return "they do not read pages through a block table yet (paged stores run the Triton programs)"
     if not device.cuda or device.major < 8:
         return "they need a CUDA GPU of compute capability 8.0 or newer"
     if not device.gluon:

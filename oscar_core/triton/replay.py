@@ -16,6 +16,7 @@ GRAPHS_PER_STORE = 4     # each holds its own work buffers (a private memory poo
 DIRECT_GRAPHS = 2        # graphs at the caller's own addresses, per graph kept on the store; the calls looked back on
 STORE_FIELDS = ("key_sink", "value_sink", "key_recent", "value_recent", "key_codes", "key_scale", "key_zero",
                 "value_codes", "value_scale", "value_zero", "lengths")
+PAGE_FIELDS = ("block_table", "window_slot")       # a paged store's (paged.PagedKVCache)
 
 
 @dataclasses.dataclass
@@ -35,7 +36,7 @@ def graph_key(q, out, cache, key_rotation, value_rotation, value_mean, scaling, 
     mean_ptr = None if value_mean is None else value_mean.data_ptr()
     rv_ptr = None if value_rotation is None else value_rotation.data_ptr()
     return (tuple(q.shape), q.dtype, q.device, out.dtype, key_rotation.data_ptr(), rv_ptr, mean_ptr, scaling,
-            settings, tuple(getattr(cache, f).data_ptr() for f in STORE_FIELDS))
+            settings, tuple(getattr(cache, f).data_ptr() for f in STORE_FIELDS + PAGE_FIELDS if hasattr(cache, f)))
 
 
 def graph_of(launches, device, pool=None) -> torch.cuda.CUDAGraph:

@@ -1,0 +1,294 @@
+"""The paged INT2 store (paged.py) against kvstore's reference, the decode programs through block tables (on the CPU
+through Triton's interpreter, as tests/test_triton_kernels.py loads them), and the bundle-to-backend mapping
+(backend.py)."""
+
+import dataclasses
+import importlib
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from oscar_core import backend, kvstore, paged  # noqa: E402
+from oscar_core.bundle import Bundle, LayerQuant  # noqa: E402
+from oscar_core.errors import OscarError  # noqa: E402
+from oscar_core.triton import plan as rules  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_bundle import tiny_manifest  # noqa: E402
+
+PAGE = paged.PAGE_TOKENS
+
+
+def orthogonal(heads, d, gen):
+    return torch.linalg.qr(torch.randn(heads, d, d, generator=gen, dtype=torch.float64))[0].float()
+
+
+def layer_of(gen, kv_heads, d):
+    return kvstore.LayerRotation(orthogonal(kv_heads, d, gen), orthogonal(kv_heads, d, gen),
+                                 torch.full((kv_heads,), 0.96), torch.full((kv_heads,), 0.92),
+                                 torch.randn(kv_heads, d, generator=gen), torch.randn(kv_heads, d, generator=gen))
+
+
+def data(gen, layer, batch, tokens):
+    """keys/values [B, tokens, H_kv, d] with the per-channel offsets the layer's means capture."""
+    kv_heads, d = layer.key_mean.shape
+    keys = (torch.randn(batch, tokens, kv_heads, d, generator=gen) + layer.key_mean).bfloat16()
+    values = (torch.randn(batch, tokens, kv_heads, d, generator=gen) + layer.value_mean).bfloat16()
+    return keys, values
+
+
+class Pages:
+    """A shuffled free list of pages, handed to sequences as they grow (as vLLM's block pool does)."""
+
+    def __init__(self, store: paged.PagedKVCache, gen):
+        self.store, self.free = store, torch.randperm(len(store.pool), generator=gen).tolist()
+        self.held = [0] * len(store.lengths)
+
+    def grow(self):
+        for b, n in enumerate(self.store.lengths.tolist()):
+            while self.held[b] * PAGE < n:
+                self.store.block_table[b, self.held[b]] = self.free.pop()
+                self.held[b] += 1
+
+
+def pair(gen, lengths, kv_heads=2, d=64, key_axis="token", value_layout="tiles", capacity=None, num_pages=None):
+    """The same prefill in a kvstore store and in a paged one (shuffled pages, shuffled window slots)."""
+    layer = layer_of(gen, kv_heads, d)
+    capacity = capacity or max(lengths) + 8
+    keys, values = data(gen, layer, len(lengths), max(lengths))
+    ref = kvstore.empty_cache(len(lengths), kv_heads, d, capacity, key_axis=key_axis, value_layout=value_layout)
+    kvstore.prefill(ref, keys, values, torch.tensor(lengths), layer)
+    max_pages = -(-capacity // PAGE)
+    store = paged.empty_paged(num_pages or len(lengths) * max_pages + 3, len(lengths), max_pages, kv_heads, d,
+                              key_axis=key_axis, value_layout=value_layout, window_slots=len(lengths) + 2)
+    store.window_slot.copy_(torch.randperm(len(lengths) + 2, generator=gen)[:len(lengths)])
+    pages = Pages(store, gen)
+    store.lengths.copy_(torch.tensor(lengths))
+    pages.grow()
+    paged.prefill(store, keys, values, torch.tensor(lengths), layer)
+    return ref, store, pages, layer
+
+
+def same_tokens(ref, store):
+    for b in range(len(ref.lengths)):
+        for want, got in zip(kvstore.sequence_kv(ref, b), paged.sequence_kv(store, b)):
+            assert torch.equal(want, got), b
+
+
+def test_page_layout_is_views_of_one_pool():
+    assert paged.page_bytes(2, 128) == 2 * (2 * 64 * 32) + 4 * (2 * 64 * 2)
+    assert paged.page_bytes(2, 128, key_axis="channel") == paged.page_bytes(2, 128)   # one block of 128 codes
+    store = paged.empty_paged(5, 2, 4, 2, 128, key_axis="channel")
+    layout = paged.page_layout(2, 128, key_axis="channel")
+    assert store.key_scale.shape == (5, 2, 1, 128) and store.value_scale.shape == (5, 2, PAGE, 2)
+    for name, (offset, shape, dtype) in layout.items():
+        array = getattr(store, name)
+        assert array.untyped_storage().data_ptr() == store.pool.untyped_storage().data_ptr()
+        assert array.stride(0) == store.page_stride == store.pool.shape[1] and array.dtype == dtype
+        array[3].view(torch.uint8).view(-1)[-1] = 7             # the last byte of page 3's array
+        assert store.pool[3, offset + array[3].numel() - 1] == 7
+        store.pool.zero_()
+
+
+def test_int2_codes_sit_at_vllm_slots():
+    """INT2 position p of sequence b is row slot mod P of page slot div P, slot = vLLM's slot mapping."""
+    gen = torch.Generator().manual_seed(1)
+    ref, store, _, _ = pair(gen, [700, 330], value_layout="rows")
+    s = ref.sink_tokens
+    for b in range(2):
+        pos = torch.arange(s, s + int(ref.int2_tokens()[b]))
+        slots = paged.slot_mapping(store.block_table, b, pos)
+        assert torch.equal(slots, store.block_table[b, pos // PAGE].long() * PAGE + pos % PAGE)
+        page, row = slots // PAGE, slots % PAGE
+        for name in ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero"):
+            got = getattr(store, name)[page, :, row]                    # [n, H_kv, ...]
+            assert torch.equal(got, getattr(ref, name)[b, :, pos - s].transpose(0, 1)), name
+
+
+@pytest.mark.parametrize("key_axis,value_layout", [("token", "tiles"), ("token", "rows"), ("channel", "tiles")])
+def test_paged_writes_equal_kvstore(key_axis, value_layout):
+    """Prefill, a chunk of 70 tokens and decode steps, with pages handed out shuffled as sequences grow: every
+    sequence reads back (through its block table) kvstore's tokens, bit for bit, and its pages hold kvstore's rows."""
+    gen = torch.Generator().manual_seed(2)
+    ref, store, pages, layer = pair(gen, [300, 64, 1, 420], key_axis=key_axis, value_layout=value_layout,
+                                    capacity=700)
+    same_tokens(ref, store)
+    for n in (70, 1, 1, 1):
+        keys, values = data(gen, layer, 4, n)
+        starts = torch.tensor([0, 3, 0, n - 1]) if n > 1 else None     # leading pads, as kvstore.append takes them
+        for s in (ref, store):
+            kvstore.advance(s, n, starts)
+        pages.grow()
+        kvstore.append(ref, keys.transpose(1, 2), values.transpose(1, 2), layer, starts)
+        paged.append(store, keys.transpose(1, 2), values.transpose(1, 2), layer, starts)
+        same_tokens(ref, store)
+    assert torch.equal(ref.lengths, store.lengths)
+    for b in range(4):
+        view = paged.sequence_store(store, b)
+        rows = view.key_codes.shape[2]
+        assert torch.equal(view.key_codes[0], ref.key_codes[b, :, :rows])
+        assert torch.equal(view.value_codes[0], ref.value_codes[b, :, :rows])      # value tiles too
+
+
+def test_page_problems_are_one_line():
+    assert "key blocks of 128 tokens do not divide a page of 64" in paged.page_problem(64, 64, 128, "channel")
+    assert "sink of 32 tokens" in paged.page_problem(64, 32, 64, "token")
+    assert "64-row tiles" in paged.page_problem(32, 0, 64, "token")
+    assert "not paged yet" in paged.page_problem(64, 64, 64, "token", window=4096)
+    assert paged.page_problem(128, 128, 128, "channel") is None
+    with pytest.raises(ValueError, match="do not divide"):
+        paged.empty_paged(4, 1, 4, 2, 64, key_group_size=128, key_axis="channel")
+    store = paged.empty_paged(4, 1, 2, 2, 64)
+    store.lengths[0] = 3 * PAGE
+    with pytest.raises(ValueError, match="needs 3 pages"):
+        paged.sequence_store(store, 0)
+
+
+def test_plan_keeps_paged_stores_off_the_gluon_programs():
+    hopper = rules.Device(cuda=True, sms=132, major=9, gluon=True, slots=lambda c, o: 16)
+    shape = rules.DecodeShape(batch=32, heads=16, kv_heads=2, head_dim=128, key_group=64, value_group=64,
+                              rows=100_032)
+    assert rules.choose_plan(shape, hopper).gluon
+    shape = dataclasses.replace(shape, page=PAGE, joint=False)
+    assert "block table" in rules.gluon_problem(shape, hopper)
+    plan = rules.choose_plan(shape, hopper)
+    assert not plan.gluon and plan.tma == 0
+    with pytest.raises(ValueError, match="block table"):
+        rules.choose_plan(shape, hopper, gluon=True)
+    with pytest.raises(ValueError, match="block table"):
+        rules.check_plan(shape, dataclasses.replace(plan, gluon=True), hopper)
+
+
+# The decode programs, through the interpreter (reloaded with it if another test module imported them first).
+triton = pytest.importorskip("triton")
+from oscar_core.triton import decode, decode_programs  # noqa: E402
+
+if not torch.cuda.is_available() and not isinstance(decode_programs._split_kernel,
+                                                    triton.runtime.interpreter.InterpretedFunction):
+    importlib.reload(sys.modules["oscar_core.triton.write"])
+    decode_programs = importlib.reload(sys.modules["oscar_core.triton.decode_programs"])
+    decode = importlib.reload(sys.modules["oscar_core.triton.decode"])
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def to_device(store):
+    if isinstance(store, kvstore.Int2KVCache):
+        return kvstore.to_device(store, DEVICE)
+    fields = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(store).items()}
+    pool = fields["pool"]
+    layout = paged.page_layout(store.key_codes.shape[1], store.key_codes.shape[3] * 4, store.key_group_size,
+                               store.value_group_size, store.key_axis, store.page_tokens)
+    return paged.PagedKVCache(**dict(fields, graphs={}, **paged.pool_views(pool, layout)))
+
+
+@pytest.mark.parametrize("key_axis,value_layout,key_t,block_n", [
+    ("token", "tiles", True, 32),
+    ("token", "rows", False, 128),      # tiles longer than a page: each row's page looked up
+    ("channel", "tiles", True, 64),
+    ("channel", "rows", False, 32),
+])
+def test_paged_decode_equals_unpaged(key_axis, value_layout, key_t, block_n):
+    """The decode programs over pages (shuffled pages and window slots, sequences of different lengths, block table
+    entries past a sequence's pages pointing nowhere) give the unpaged call's outputs bit for bit, within 1% of
+    kvstore's reference."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d = 8, 2, 64
+    lengths = [900, 50, 330, 65, 449]
+    ref, store, pages, layer = pair(gen, lengths, kv_heads, d, key_axis, value_layout, capacity=1000)
+    for b, held in enumerate(pages.held):
+        store.block_table[b, held:] = 1 << 20       # never read: past the sequence's pages
+    q = torch.randn(len(lengths), heads, d, generator=gen)
+    scaling = d ** -0.5
+    args = [t.to(DEVICE) for t in (layer.key_rotation, layer.value_rotation, layer.value_mean)] + [scaling]
+    outs = []
+    for s in (ref, store):
+        s = to_device(s)
+        plan = dataclasses.replace(decode.plan_for(q.to(DEVICE), s), block_n=block_n, key_t=key_t)
+        assert not plan.gluon
+        outs.append(decode.decode_attention(q.to(DEVICE), s, *args, plan).cpu())
+    assert torch.equal(outs[0], outs[1])
+    want = kvstore.decode_attention_reference(q, ref, layer.key_rotation, layer.value_rotation, layer.value_mean,
+                                              scaling)
+    err = (outs[1] - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err.max() < 1e-2, err
+
+
+# The bundle-to-backend mapping.
+
+def bundle_of(layers=3, heads=8, kv_heads=2, d=64, key_group=64, value_group=64, axes=None, int2_layers=None,
+              windows=None, sink=64):
+    gen = torch.Generator().manual_seed(4)
+    m = tiny_manifest()
+    m = m.model_copy(update=dict(
+        model=m.model.model_copy(update=dict(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=d)),
+        quant=m.quant.model_copy(update=dict(key_group_size=key_group, value_group_size=value_group, sink_tokens=sink,
+                                             layers=[LayerQuant(layer=i, key_axis=a) for i, a in (axes or {}).items()])),
+        rotation=m.rotation.model_copy(update=dict(key_centering=True, layers=int2_layers, windows=windows))))
+    tensors = {}
+    for i in (range(layers) if int2_layers is None else int2_layers):
+        tensors |= {f"layers.{i}.key_rotation": orthogonal(kv_heads, d, gen),
+                    f"layers.{i}.value_rotation": orthogonal(kv_heads, d, gen),
+                    f"layers.{i}.key_clip": torch.rand(kv_heads, generator=gen),
+                    f"layers.{i}.value_clip": torch.rand(kv_heads, generator=gen),
+                    f"layers.{i}.key_mean": torch.randn(kv_heads, d, generator=gen),
+                    f"layers.{i}.value_mean": torch.randn(kv_heads, d, generator=gen)}
+    return Bundle(path=Path("."), manifest=m, tensors=tensors)
+
+
+def config_of(layers=3, heads=8, kv_heads=2, d=64, layer_types=None, sliding_window=None,
+              architecture="LlamaForCausalLM"):
+    return SimpleNamespace(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           head_dim=d, hidden_size=heads * d, architectures=[architecture], layer_types=layer_types,
+                           sliding_window=sliding_window, max_position_embeddings=2048)
+
+
+def test_served_layers_carry_the_bundle_per_layer():
+    bundle = bundle_of(axes={1: "channel"})
+    served = backend.served_layers(bundle, config_of())
+    assert [s.kind for s in served] == ["int2"] * 3
+    assert [s.key_axis for s in served] == ["token", "channel", "token"]
+    s = served[1]
+    assert (s.key_group, s.value_group, s.sink_tokens, s.recent_tokens, s.page_tokens) == (64, 64, 64, 256, 64)
+    for name in ("key_rotation", "value_rotation", "key_clip", "value_clip", "key_mean", "value_mean"):
+        assert torch.equal(getattr(s.rotation, name), bundle.layer(1, name)), name
+
+
+def test_served_layers_of_a_model_with_short_sliding_windows():
+    """Sliding layers of 512 tokens (kept whole in BF16 by the bundle) are the server's BF16 layers."""
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    bundle = bundle_of(int2_layers=[1], windows={"0": 512, "2": 512})
+    served = backend.served_layers(bundle, config_of(layer_types=types, sliding_window=512))
+    assert [(s.kind, s.window) for s in served] == [("bf16", 512), ("int2", None), ("bf16", 512)]
+
+
+@pytest.mark.parametrize("bundle,config,message", [
+    (bundle_of(), config_of(kv_heads=4), "is for oscar-test/tiny-llama (num_kv_heads 2), the served model has "
+                                         "num_kv_heads 4"),
+    (bundle_of(), config_of(layers=4), "num_layers 3"),
+    (bundle_of(), config_of(architecture="Qwen2ForCausalLM"), "the served model is a Qwen2ForCausalLM"),
+    (bundle_of(int2_layers=[1], windows={"0": 512, "2": 512}),
+     config_of(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=1024),
+     "layer 0: the served model attends to a window of 1024"),
+    (bundle_of(key_group=128, value_group=64, d=128, axes={2: "channel"}), config_of(d=128),
+     "layer 2 of bundle oscar-test/tiny-llama cannot be served in pages: key blocks of 128 tokens do not divide a "
+     "page of 64 tokens"),
+    (bundle_of(d=32, key_group=32, value_group=32), config_of(d=32), "layer 0 of bundle oscar-test/tiny-llama cannot "
+                                                                      "be served in pages: decode_attention supports "
+                                                                      "head_dim 64"),
+    (bundle_of(sink=32), config_of(), "a sink of 32 tokens is not a whole number of 64-token pages"),
+    (bundle_of(windows={"1": 4096}), config_of(layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                               sliding_window=4096),
+     "layer 1 of bundle oscar-test/tiny-llama cannot be served in pages: a sliding window of 4096 tokens"),
+])
+def test_bad_input_is_one_line(bundle, config, message):
+    with pytest.raises(OscarError, match="^[^\n]*$") as e:
+        backend.served_layers(bundle, config)
+    assert message in str(e.value)
