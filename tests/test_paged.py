@@ -15,8 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from oscar_core import backend, kvstore, paged  # noqa: E402
-from oscar_core.bundle import Bundle, LayerQuant  # noqa: E402
+from oscar_core import kvstore, paged  # noqa: E402
+from oscar_core.serve import backend  # noqa: E402
+from oscar_core.formats.bundle import Bundle, LayerQuant  # noqa: E402
 from oscar_core.errors import OscarError  # noqa: E402
 from oscar_core.triton import plan as rules  # noqa: E402
 

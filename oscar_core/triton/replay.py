@@ -4,7 +4,7 @@ An eager decode call on CUDA spends more host time launching its three or four p
 contexts. decode.decode_attention and decode.decode_step hand their launches to replay(), which captures them once
 per key (graph_key: every address and setting the launches depend on besides their inputs' and output's) and replays
 the graph after. The graphs live in the store's `graphs` dict, so they never outlive the tensors they read.
-(oscar_core.decode_graph is another thing: a whole model's decode step captured as one graph.)
+(oscar_core.serve.decode_graph is another thing: a whole model's decode step captured as one graph.)
 """
 
 import collections

@@ -18,10 +18,10 @@ paged.page_problem).
 from dataclasses import dataclass
 
 from oscar_core import kvstore
-from oscar_core.bundle import Bundle, bundle_layers
+from oscar_core.formats.bundle import Bundle, bundle_layers
 from oscar_core.errors import OscarError
 from oscar_core.layers import LayerSpec, layer_specs, manifest_specs
-from oscar_core.models import attention_facts
+from oscar_core.calibrate.models import attention_facts
 from oscar_core.paged import PAGE_TOKENS, page_problem
 from oscar_core.triton.plan import shape_problem
 
