@@ -73,7 +73,7 @@ def test_float32_products_stay_off_tf32(name, const):
 
 SPLIT_TYPES = dict(ks_ptr="*bf16", vs_ptr="*bf16", kr_ptr="*bf16", vr_ptr="*bf16", kc_ptr="*u8", ksc_ptr="*u8",
                    kz_ptr="*i8", vc_ptr="*u8", vsc_ptr="*u8", vz_ptr="*i8", len_ptr="*i32", scale_log2="fp32",
-                   log2_scale="fp32")
+                   log2_scale="fp32", bt_ptr="*i32", ws_ptr="*i32")
 
 
 def test_int2_products_are_bf16():
@@ -81,7 +81,8 @@ def test_int2_products_are_bf16():
     codes) and the window programs' are bf16 tensor-core products with float32 sums: every dot of the split programs
     compiled for sm_90 takes two bf16 operands, none float32."""
     const = dict(HKV=8, HG=4, D=128, GK=64, GV=64, S=64, W=256, HGP=4, QP=16, NW=5, BLOCK_N=64, BLOCK_W=64,
-                 KEY_T=True, USE_ASM=True, F32=False, TB=1, R=1, VT=True, PDL=False, HOLE=False, SLIDE=False)
+                 KEY_T=True, USE_ASM=True, F32=False, TB=1, R=1, VT=True, PDL=False, HOLE=False, SLIDE=False,
+                 PAGED=False, PAGE=64)
     found = compiled_dots("_split_kernel", const, SPLIT_TYPES, num_warps=1)
     operands = [d.split(" : ")[-1].split("->")[0] for d in found["dots"]]
     assert len(operands) >= 10 and all(o.count("xbf16>") == 2 for o in operands), operands
@@ -94,7 +95,7 @@ def test_window_programs_compile_with_more_warps(d, hg, warps):
     hgp = 1 << (hg - 1).bit_length()
     const = dict(HKV=2, HG=hg, D=d, GK=64, GV=64, S=64, W=256, HGP=hgp, QP=max(16, hgp), NW=5, BLOCK_N=64,
                  BLOCK_W=64, KEY_T=True, USE_ASM=True, F32=False, TB=1, R=1, VT=True, PDL=False, HOLE=False,
-                 SLIDE=False)
+                 SLIDE=False, PAGED=False, PAGE=64)
     found = compiled_dots("_split_kernel", const, SPLIT_TYPES, num_warps=warps)
     assert [m for m in found["mma"] if "bf16" in m]
 
