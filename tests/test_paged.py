@@ -223,11 +223,11 @@ def test_paged_decode_equals_unpaged(key_axis, value_layout, key_t, block_n):
 
 
 
-# The Triton writes into pages (triton/paged_write.py), through the interpreter as the decode programs above.
-if not torch.cuda.is_available() and not isinstance(write._append_kernel, triton.runtime.interpreter.InterpretedFunction):
-    write = importlib.reload(sys.modules["oscar_core.triton.write"])
-if paged_write.write is not write:
-    paged_write = importlib.reload(paged_write)
+# The Triton writes into pages (triton/paged_write.py), through the interpreter as the decode programs above (a reload
+# keeps the module object, which paged_write reads its launchers from).
+if not torch.cuda.is_available() and not isinstance(write._append_kernel,
+                                                    triton.runtime.interpreter.InterpretedFunction):
+    importlib.reload(write)
 
 INT2 = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
 WINDOWS = ("key_sink", "value_sink", "key_recent", "value_recent")
@@ -356,6 +356,48 @@ def test_decode_over_triton_written_pages(key_axis, value_layout, key_t, block_n
         assert err.max() < 1e-2, err                                  # 0.1% measured
     err = (outs[0] - outs[2]).norm(dim=-1) / outs[2].norm(dim=-1)
     assert err.max() < 3e-2 and err.mean() < 1e-2, err                 # 1.2-1.3%, 0.35% measured
+
+
+
+COMPILE_PAGED = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from oscar_core.triton import write
+
+types = dict(kcodes_ptr="*u8", vcodes_ptr="*u8", kscale_ptr="*u8", vscale_ptr="*u8", kzero_ptr="*i8", vzero_ptr="*i8",
+             kclip_ptr="*fp32", vclip_ptr="*fp32", kmr_ptr="*fp32", vmr_ptr="*fp32", len_ptr="*i32", start_ptr="*i32",
+             bt_ptr="*i32", ws_ptr="*i32")
+for name, const in json.loads(sys.argv[1]):
+    fn = getattr(write, name)
+    sig = {a: types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names if a not in const}
+    src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+"""
+
+
+def test_paged_write_programs_compile_for_sm90():
+    """The interpreter runs what the compiler would refuse (a variable of two shapes in the branches of a runtime if):
+    the PAGED write programs compile for an H100 (sm_90) with triton's own compiler, in a process of its own without
+    TRITON_INTERPRET (test_float32_products.py): the prefill (keys per channel, values in tiles) and the append
+    (evicting and direct rows, leading pads) at head_dim 64, leave_blocks at 128 (key blocks of 64 tokens)."""
+    import json
+    import subprocess
+
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
+        pytest.skip("this triton has no CUDA backend")
+    common = dict(H=2, D=64, C=64, F32=False, VT=True, RING=False, PAGED=True, PAGE=64, S=64, W=64)
+    kernels = [("_prefill_kernel", dict(common, GK=64, GV=64, R=128, TB=64, BT=64, K_MEAN=True, V_MEAN=True,
+                                        AHEAD=True)),
+               ("_append_kernel", dict(common, GK=64, GV=64, R=64, BT=16, K_MEAN=True, V_MEAN=True, HAS_START=True,
+                                       EVICT=True, DIRECT=True)),
+               ("_leave_kernel", {k: v for k, v in dict(common, D=128, G=64, GV=64, R=128, HAS_START=True).items()
+                                  if k != "C"})]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE_PAGED, json.dumps(kernels)], env=env, capture_output=True,
+                         text=True, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 # The bundle-to-backend mapping.
