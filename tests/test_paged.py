@@ -308,13 +308,27 @@ def test_triton_paged_writes_equal_the_paged_reference(key_axis, value_layout):
     and what the torch paged reference (paged.append) writes at the same rows, within the kernels' known rounding
     (a bf16 step in the windows, codes at most one step apart: tests/test_cache_kernel.py); the pages no sequence
     holds stay untouched."""
+    w = written(key_axis, value_layout, LENGTHS, STEPS)
+    assert w.got.lengths.tolist() == w.ref.lengths.tolist() == [232, 40, 386, 132]
+    assert_pages_hold(w)
+
+
+def test_a_chunk_longer_than_the_window_into_pages():
+    """Keys per token, a chunk of 150 tokens after a prefill (W = 64): append_kv's launches of W tokens, tokens that
+    land in INT2 directly, each row's page looked up."""
+    w = written("token", "tiles", [130, 200], steps=2, chunk=150)
+    assert w.got.lengths.tolist() == [282, 349]
+    assert_pages_hold(w)
+
+
+def assert_pages_hold(w):
+    """written()'s paged_write store against the unpaged Triton store (bit for bit) and the torch paged reference
+    (within the writes' rounding); pages that no sequence holds all zero."""
     from test_cache_kernel import assert_store_matches
 
-    w = written(key_axis, value_layout, LENGTHS, STEPS)
     got, ref = cpu(w.got), w.ref
-    assert got.lengths.tolist() == ref.lengths.tolist() == [232, 40, 386, 132]
     moved = 0
-    for b in range(len(LENGTHS)):
+    for b in range(len(got.lengths)):
         view, flat = paged.sequence_store(got, b), w.flat
         for name in INT2:
             mine = getattr(view, name)
@@ -327,6 +341,7 @@ def test_triton_paged_writes_equal_the_paged_reference(key_axis, value_layout):
     held = {page for b, h in enumerate(w.pages.held) for page in got.block_table[b, :h].tolist()}
     free = sorted(set(range(len(got.pool))) - held)
     assert free and not got.pool[free].any()
+
 
 
 

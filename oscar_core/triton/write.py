@@ -52,6 +52,12 @@ Channels a program (columns): each program rotates and quantizes C channels of i
 (x − μ)·R[:, c0:c0 + C], holding those columns of R; C is the whole head up to head_dim 128 and 128 at 256, where
 the whole R (two bf16 [256, 256] tiles) would not fit a multiprocessor's shared memory. A group of channels never
 spans two programs, and a key block's channels are independent, so the programs of one head share nothing.
+
+A paged store (paged.PagedKVCache, the compile-time PAGED; the entry points are paged_write.py's): INT2 row r of
+sequence b is row (S + r) mod P of head h's [H_kv, P] rows in page block_table[b, (S + r) div P], each array
+page_stride bytes a page, and the sink and ring are window slot window_slot[b]'s. The prefill looks the page up once a
+tile or key block (both divide the page), append_kv once a row (_page_rows), leave_blocks once a block. Without
+PAGED the programs compile as before (the block table and slot arguments unread).
 """
 
 import functools
@@ -710,7 +716,9 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     multiprocessor; keys per channel in blocks of 128 run as two such tiles a block (1.73 TB/s, against 1.16 for
     8-warp programs of one whole block held to 128 registers); 8-warp tiles (block_t 128) are held to 128. At
     head_dim 256 (two programs a head, 128 channels each) eight a multiprocessor, and no load ahead where a key
-    block spans two tiles (0.62-0.69 TB/s, against 0.03-0.04 for the torch reference; bench/results/write_d256.md)."""
+    block spans two tiles (0.62-0.69 TB/s, against 0.03-0.04 for the torch reference; bench/results/write_d256.md).
+    A paged.PagedKVCache: into the pages of its block tables (which hold them) and its window slots, in tiles that
+    divide the page."""
     bsz, heads, n, d = keys.shape
     c = columns(d, _channel_groups(cache), columns_a_program)
     s, tb = cache.sink_tokens, cache.token_block
