@@ -58,6 +58,9 @@ sequence b is row (S + r) mod P of head h's [H_kv, P] rows in page block_table[b
 page_stride bytes a page, and the sink and ring are window slot window_slot[b]'s. The prefill looks the page up once a
 tile or key block (both divide the page), append_kv once a row (_page_rows), leave_blocks once a block. Without
 PAGED the programs compile as before (the block table and slot arguments unread).
+
+Long because the three write programs (prefill, append, leave) share their quantizer, rotation and placement helpers,
+and each places rows in kvstore's three store kinds (rows, a window's ring of rows, pages) behind compile-time flags.
 """
 
 import functools
