@@ -34,7 +34,9 @@ sequence at S = 64, W = 256).
 The INT2 codes of a token are written when it leaves the ring (kvstore.append: quantized from its BF16 copy, or
 keys per channel a whole block), W tokens after the token arrived, so the writes follow the block table, not the
 step's slot mapping. This module's write and read are the torch reference: a sequence's pages gathered into a
-kvstore store of one sequence (sequence_store), written or read by kvstore's own functions, and scattered back.
+kvstore store of one sequence (sequence_store), written or read by kvstore's own functions, and scattered back. The
+device's are the Triton programs: triton/paged_write.py (prefill, append) writes pages through the block tables, and
+triton/decode.py reads them.
 """
 
 import math

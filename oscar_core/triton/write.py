@@ -52,6 +52,15 @@ Channels a program (columns): each program rotates and quantizes C channels of i
 (x − μ)·R[:, c0:c0 + C], holding those columns of R; C is the whole head up to head_dim 128 and 128 at 256, where
 the whole R (two bf16 [256, 256] tiles) would not fit a multiprocessor's shared memory. A group of channels never
 spans two programs, and a key block's channels are independent, so the programs of one head share nothing.
+
+A paged store (paged.PagedKVCache, the compile-time PAGED; the entry points are paged_write.py's): INT2 row r of
+sequence b is row (S + r) mod P of head h's [H_kv, P] rows in page block_table[b, (S + r) div P], each array
+page_stride bytes a page, and the sink and ring are window slot window_slot[b]'s. The prefill looks the page up once a
+tile or key block (both divide the page), append_kv once a row (_page_rows), leave_blocks once a block. Without
+PAGED the programs compile as before (the block table and slot arguments unread).
+
+Long because the three write programs (prefill, append, leave) share their quantizer, rotation and placement helpers,
+and each places rows in kvstore's three store kinds (rows, a window's ring of rows, pages) behind compile-time flags.
 """
 
 import functools
@@ -60,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from oscar_core.paged import PagedKVCache
 from oscar_core.triton.launch import cached
 
 # 1.5·2^23: (x + M) − M rounds a float32 |x| < 2^22 to nearest, ties to even.
@@ -271,15 +281,32 @@ def _token_tile(x_ptr, tile, tokens, sx_t, sx_h, h, D: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
+def _page_rows(bt_ptr, b, pos, mask, page_stride, max_pages, h, c0, D: tl.constexpr, C: tl.constexpr,
+               G: tl.constexpr, TILED: tl.constexpr, PAGE: tl.constexpr):
+    """Where positions pos [BT] of sequences b [BT] (INT2 tokens: S ≤ pos) go in a paged store (paged.PagedKVCache):
+    row pos mod PAGE of head h in page bt_ptr[b, pos div PAGE], each array page_stride bytes a page. Returns
+    code_offsets' offsets of channels [c0, c0 + C) (16-bit halves with TILED) and each row's scale / zero offset."""
+    page = tl.load(bt_ptr + b.to(tl.int64) * max_pages + pos // PAGE, mask=mask, other=0).to(tl.int64) * page_stride
+    row = h * PAGE + pos % PAGE
+    if TILED:
+        code_off = (page // 2)[:, None] + code_offsets(row, c0, D, C, True)
+    else:
+        code_off = page[:, None] + code_offsets(row, c0, D, C, False)
+    return code_off, page + row * (D // G)
+
+
+@triton.jit
 def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
                  sink_ptr, ring_ptr, codes_ptr, scale_ptr, zero_ptr, len_ptr, start_ptr,
-                 tile, h, c0, rows, n, t0, piece, T,
+                 tile, h, c0, rows, n, t0, piece, T, bt_ptr, ws_ptr, page_stride, max_pages,
                  H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                  BT: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_START: tl.constexpr, EVICT: tl.constexpr,
-                 DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, TILED: tl.constexpr, RING: tl.constexpr):
+                 DIRECT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, TILED: tl.constexpr, RING: tl.constexpr,
+                 PAGED: tl.constexpr, PAGE: tl.constexpr):
     """One side (keys or values), rows [tile·BT, (tile+1)·BT) of the launch, KV head h, its channels [c0, c0 + C)
     (module docstring); R ring slots (W, or W + G for keys per channel); TILED: codes in 64-row tiles
-    (code_offsets); RING: a window's store (INT2 token i in row i mod T; tokens before the last N = W + T skipped)."""
+    (code_offsets); RING: a window's store (INT2 token i in row i mod T; tokens before the last N = W + T skipped);
+    PAGED: a paged store (_page_rows; the sequence's BF16 tokens in its window slot ws_ptr[b])."""
     NG: tl.constexpr = D // G
     c = tl.arange(0, D)
     cc = c0 + tl.arange(0, C)
@@ -295,13 +322,16 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
     valid = rmask & (t >= first)
     pos = length - n + t
     bh = (b * H + h).to(tl.int64)
+    wh = bh
+    if PAGED:
+        wh = (tl.load(ws_ptr + b, mask=rmask, other=0) * H + h).to(tl.int64)
     x = tl.load(x_ptr + b.to(tl.int64)[:, None] * sx_b + h * sx_h + t.to(tl.int64)[:, None] * sx_t + c[None, :],
                 mask=valid[:, None], other=0.0)
     rot = h * D * D + c[:, None] * D + cc[None, :]
     y = _rotate(x, tl.load(rhi_ptr + rot), tl.load(rlo_ptr + rot), _start(mr_ptr, h, c0, BT, D, C, HAS_MEAN), F32)
     clip = tl.load(clip_ptr + h)
     slot = (pos - S) % R
-    ring = ring_ptr + (bh * R + slot)[:, None] * D + cc[None, :]
+    ring = ring_ptr + (wh * R + slot)[:, None] * D + cc[None, :]
     if EVICT:
         gone = pos - W
         evict = valid & (gone >= S) & (gone < length - n + first)
@@ -311,13 +341,18 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
         else:
             row = bh * T + gone - S
         kept = tl.load(ring, mask=evict[:, None], other=0.0).to(tl.float32)
-        _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_offsets(row, c0, D, C, TILED), row * NG,
-                    kept, clip, evict, BT, C, G, F32, TILED)
+        if PAGED:
+            code_off, meta = _page_rows(bt_ptr, b, gone, evict, page_stride, max_pages, h, c0, D, C, G, TILED, PAGE)
+            _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_off, meta, kept, clip, evict, BT, C,
+                        G, F32, TILED)
+        else:
+            _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_offsets(row, c0, D, C, TILED),
+                        row * NG, kept, clip, evict, BT, C, G, F32, TILED)
         tl.debug_barrier()   # every read of a ring slot before any write to it
     in_sink = valid & (pos < S)
     in_ring = valid & (pos >= S) & (pos >= length - W)
     yb = y.to(tl.bfloat16)
-    tl.store(sink_ptr + (bh * S + pos)[:, None] * D + cc[None, :], yb, mask=in_sink[:, None])
+    tl.store(sink_ptr + (wh * S + pos)[:, None] * D + cc[None, :], yb, mask=in_sink[:, None])
     tl.store(ring, yb, mask=in_ring[:, None])
     if DIRECT:
         direct = valid & (pos >= S) & (pos < length - W)
@@ -326,8 +361,13 @@ def _append_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr,
             row = bh * T + (pos - S) % T
         else:
             row = bh * T + pos - S
-        _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_offsets(row, c0, D, C, TILED), row * NG,
-                    y, clip, direct, BT, C, G, F32, TILED)
+        if PAGED:
+            code_off, meta = _page_rows(bt_ptr, b, pos, direct, page_stride, max_pages, h, c0, D, C, G, TILED, PAGE)
+            _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_off, meta, y, clip, direct, BT, C, G,
+                        F32, TILED)
+        else:
+            _store_int2(codes_ptr, scale_ptr + c0 // G, zero_ptr + c0 // G, code_offsets(row, c0, D, C, TILED),
+                        row * NG, y, clip, direct, BT, C, G, F32, TILED)
 
 
 @triton.jit
@@ -335,13 +375,15 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                    krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                    ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr,
                    vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
-                   len_ptr, start_ptr, rows, n, t0, piece, T, n_tiles,
+                   len_ptr, start_ptr, rows, n, t0, piece, T, n_tiles, bt_ptr, ws_ptr, page_stride, max_pages,
                    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, K_MEAN: tl.constexpr, V_MEAN: tl.constexpr,
                    HAS_START: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr,
-                   F32: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, RING: tl.constexpr):
+                   F32: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, RING: tl.constexpr, PAGED: tl.constexpr,
+                   PAGE: tl.constexpr):
     """Grid (P, H_kv, 2·D/C): program (p, h, side·D/C + k) appends channels [kC, kC + C) of row tiles p, p + P, ...
-    of one side; VT: value codes in 64-row tiles."""
+    of one side; VT: value codes in 64-row tiles; PAGED: into a paged store (block table rows bt_ptr[b, :max_pages],
+    window slots ws_ptr[b])."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     side = tl.program_id(2) // (D // C)
@@ -350,13 +392,13 @@ def _append_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
         if side == 0:
             _append_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr,
                          ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, start_ptr,
-                         tile, h, c0, rows, n, t0, piece, T, H, D, C, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT,
-                         F32, R, False, RING)
+                         tile, h, c0, rows, n, t0, piece, T, bt_ptr, ws_ptr, page_stride, max_pages,
+                         H, D, C, GK, S, W, BT, K_MEAN, HAS_START, EVICT, DIRECT, F32, R, False, RING, PAGED, PAGE)
         else:
             _append_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                          vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, start_ptr,
-                         tile, h, c0, rows, n, t0, piece, T, H, D, C, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT,
-                         F32, R, VT, RING)
+                         tile, h, c0, rows, n, t0, piece, T, bt_ptr, ws_ptr, page_stride, max_pages,
+                         H, D, C, GV, S, W, BT, V_MEAN, HAS_START, EVICT, DIRECT, F32, R, VT, RING, PAGED, PAGE)
 
 
 @triton.jit
@@ -370,14 +412,16 @@ def _int2_tile(xb, k, S, first, int2_end, sx_t, D: tl.constexpr, BT: tl.constexp
 
 @triton.jit
 def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, sink_ptr, ring_ptr,
-                  codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, c0, n, T,
+                  codes_ptr, scale_ptr, zero_ptr, len_ptr, b, h, c0, n, T, bt_row, wslot, page_stride,
                   H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                   W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr, COLUMNS: tl.constexpr,
                   HAS_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr, TILED: tl.constexpr,
-                  RING: tl.constexpr):
+                  RING: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
     """One side of sequence b, KV head h, its channels [c0, c0 + C): program p takes INT2 tiles p, p + P, ... of
     BT positions, then BF16 tiles (sink, ring) p, p + P, ...: two loops without branches (prefill_kv). RING: a
-    window's store, whose INT2 tiles start at the first of its last T tokens (row i mod T)."""
+    window's store, whose INT2 tiles start at the first of its last T tokens (row i mod T). PAGED: a paged store,
+    a tile (a key block) in one page, bt_row[its first position div PAGE] (BT and TB divide PAGE), at its row of
+    the page's [H_kv, PAGE] rows; the BF16 tokens in window slot wslot."""
     NG: tl.constexpr = D // G
     J0: tl.constexpr = (S + BT - 1) // BT
     c = tl.arange(0, D)
@@ -388,6 +432,7 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
     first = n - length                                              # leading pads: the store was empty
     int2_end = S + tl.maximum(length - S - W, 0) // TB * TB        # positions before it are INT2 (or sink)
     bh = (b * H + h).to(tl.int64)
+    wh = (wslot * H + h).to(tl.int64)                               # the BF16 windows' (slot, head)
     xb = x_ptr + (b.to(tl.int64) * sx_b + h * sx_h)
     n_int2 = int2_end - S
     if COLUMNS:
@@ -431,13 +476,22 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
             kr = kb
             if RING:
                 kr = kb % (T // TB)
-            row0 = bh * T + kr * TB
-            cp = codes_ptr + row0 * (D // 4) + c0 // 4 + (i[None, :] * (D // 4) + tl.arange(0, C // 4)[:, None])
+            if PAGED:
+                p0 = S + kb * TB
+                page = tl.load(bt_row + p0 // PAGE).to(tl.int64) * page_stride
+                crow = page + (h * PAGE + p0 % PAGE) * (D // 4)
+            else:
+                crow = (bh * T + kr * TB) * (D // 4)
+            cp = codes_ptr + crow + c0 // 4 + (i[None, :] * (D // 4) + tl.arange(0, C // 4)[:, None])
             tl.store(cp, _pack_columns(y, inv, zero, BT, C, F32))
             if HALVES == 2:
                 tl.store(cp + BT * (D // 4), _pack_columns(y1, inv, zero, BT, C, F32))
-            tl.store(scale_ptr + (bh * (T // TB) + kr) * D + order, code.to(tl.uint8))
-            tl.store(zero_ptr + (bh * (T // TB) + kr) * D + order, zero.to(tl.int8))
+            if PAGED:
+                mrow = page + (h * (PAGE // TB) + (p0 % PAGE) // TB) * D
+            else:
+                mrow = (bh * (T // TB) + kr) * D
+            tl.store(scale_ptr + mrow + order, code.to(tl.uint8))
+            tl.store(zero_ptr + mrow + order, zero.to(tl.int8))
             if AHEAD:
                 x = x_next
     else:
@@ -453,9 +507,15 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
             else:
                 x = _int2_tile(xb, k, S, first, int2_end, sx_t, D, BT)
             y = _rotate(x, r_hi, r_lo, start, F32)
+            cb, sb, zb = codes_ptr, scale_ptr, zero_ptr
             if RING:
                 in_int2 = in_int2 & (k * BT + i >= n_int2 - T)
                 row0 = bh * T + (k * BT) % tl.maximum(T, 1)     # T = 0, a window kept in BF16: all masked
+            elif PAGED:
+                p0 = S + k * BT
+                page = tl.load(bt_row + p0 // PAGE).to(tl.int64) * page_stride
+                cb, sb, zb = codes_ptr + page, scale_ptr + page, zero_ptr + page
+                row0 = h * PAGE + p0 % PAGE
             else:
                 row0 = bh * T + k * BT
             # 64-bit offsets to the tile's first row (tiled codes: to the 64-row tile that holds it), 32-bit ones
@@ -464,7 +524,7 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
                 base, local = (row0 // 64) * (16 * D), (row0 % 64).to(tl.int32) + i
             else:
                 base, local = row0 * (D // 4), i
-            _store_int2(codes_ptr + base, scale_ptr + row0 * NG + c0 // G, zero_ptr + row0 * NG + c0 // G,
+            _store_int2(cb + base, sb + row0 * NG + c0 // G, zb + row0 * NG + c0 // G,
                         code_offsets(local, c0, D, C, TILED), i * NG, y, clip, in_int2, BT, C, G, F32, TILED)
             if AHEAD:
                 x = x_next
@@ -482,8 +542,8 @@ def _prefill_side(x_ptr, sx_b, sx_h, sx_t, rhi_ptr, rlo_ptr, mr_ptr, clip_ptr, s
         x = tl.load(xb + (p0 + first).to(tl.int64) * sx_t + (i[:, None] * sx_t + c[None, :]), mask=valid[:, None],
                     other=0.0)
         yb = _rotate(x, r_hi, r_lo, _start(mr_ptr, h, c0, BT, D, C, HAS_MEAN), F32).to(tl.bfloat16)
-        tl.store(sink_ptr + bh * S * D + (pos[:, None] * D + cc[None, :]), yb, mask=(valid & (pos < S))[:, None])
-        tl.store(ring_ptr + bh * R * D + (((pos - S) % R)[:, None] * D + cc[None, :]), yb,
+        tl.store(sink_ptr + wh * S * D + (pos[:, None] * D + cc[None, :]), yb, mask=(valid & (pos < S))[:, None])
+        tl.store(ring_ptr + wh * R * D + (((pos - S) % R)[:, None] * D + cc[None, :]), yb,
                  mask=(valid & (pos >= int2_end))[:, None])
 
 
@@ -492,24 +552,30 @@ def _prefill_kernel(kx_ptr, ksx_b, ksx_h, ksx_t, vx_ptr, vsx_b, vsx_h, vsx_t,
                     krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr,
                     ksink_ptr, kring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr,
                     vsink_ptr, vring_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
-                    len_ptr, n, T,
+                    len_ptr, n, T, bt_ptr, ws_ptr, page_stride, max_pages,
                     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                     S: tl.constexpr, W: tl.constexpr, R: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr,
                     K_MEAN: tl.constexpr, V_MEAN: tl.constexpr, AHEAD: tl.constexpr, F32: tl.constexpr,
-                    VT: tl.constexpr, RING: tl.constexpr):
+                    VT: tl.constexpr, RING: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
     """Grid (P, B·H_kv, 2·D/C): program (p, b·H + h, side·D/C + k) writes channels [kC, kC + C) of tiles p, p + P,
-    ... of one side of sequence b; VT: value codes in 64-row tiles."""
+    ... of one side of sequence b; VT: value codes in 64-row tiles; PAGED: into a paged store (block table rows
+    bt_ptr[b, :max_pages], window slots ws_ptr[b])."""
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
     c0 = tl.program_id(2) % (D // C) * C
+    bt_row = bt_ptr
+    wslot = b
+    if PAGED:
+        bt_row = bt_ptr + b.to(tl.int64) * max_pages
+        wslot = tl.load(ws_ptr + b)
     if tl.program_id(2) < D // C:
         _prefill_side(kx_ptr, ksx_b, ksx_h, ksx_t, krhi_ptr, krlo_ptr, kmr_ptr, kclip_ptr, ksink_ptr, kring_ptr,
-                      kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, c0, n, T, H, D, C, GK, S, W, R, TB, BT,
-                      TB > 1, K_MEAN, AHEAD, F32, False, RING)
+                      kcodes_ptr, kscale_ptr, kzero_ptr, len_ptr, b, h, c0, n, T, bt_row, wslot, page_stride,
+                      H, D, C, GK, S, W, R, TB, BT, TB > 1, K_MEAN, AHEAD, F32, False, RING, PAGED, PAGE)
     else:
         _prefill_side(vx_ptr, vsx_b, vsx_h, vsx_t, vrhi_ptr, vrlo_ptr, vmr_ptr, vclip_ptr, vsink_ptr, vring_ptr,
-                      vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, c0, n, T, H, D, C, GV, S, W, R, TB, BT,
-                      False, V_MEAN, AHEAD, F32, VT, RING)
+                      vcodes_ptr, vscale_ptr, vzero_ptr, len_ptr, b, h, c0, n, T, bt_row, wslot, page_stride,
+                      H, D, C, GV, S, W, R, TB, BT, False, V_MEAN, AHEAD, F32, VT, RING, PAGED, PAGE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -583,6 +649,15 @@ def write_int2_prepared(x: torch.Tensor, split, clip: torch.Tensor, group_size: 
     return codes, scale, zero
 
 
+def page_args(cache) -> tuple:
+    """The write programs' block table, window slots, page stride (bytes) and block table width of a paged store
+    (paged.PagedKVCache), or for any other store placeholders the programs never read; then their PAGED and PAGE."""
+    if isinstance(cache, PagedKVCache):
+        args = (cache.block_table, cache.window_slot, cache.page_stride, cache.block_table.shape[1])
+        return args, dict(PAGED=True, PAGE=cache.page_tokens)
+    return (cache.lengths, cache.lengths, 0, 0), dict(PAGED=False, PAGE=1)
+
+
 def _channel_groups(cache) -> tuple:
     """The group sizes a store quantizes along channels: values', and keys' where they are per token."""
     return (cache.value_group_size,) + ((cache.key_group_size,) if cache.key_axis == "token" else ())
@@ -592,7 +667,8 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
               value_clip: torch.Tensor, starts: torch.Tensor | None = None, evict: bool = True,
               block_t: int | None = None, waves: int = 4) -> None:
     """Triton kvstore.append: keys/values [B, H_kv, n, d] (any strides with unit channel stride, the
-    layout attention layers produce) into the Int2KVCache `cache`, whose lengths already count them.
+    layout attention layers produce) into the Int2KVCache `cache`, whose lengths already count them; or into a
+    paged.PagedKVCache (paged.append's placement: INT2 rows in the pages of the block tables, which hold them).
 
     key_rot / value_rot: prepare_rotation's triples; clips float32 [H_kv]; starts int32 [B] (leading
     pads) or None; evict=False promises an empty store before this append (a prefill: no ring reads).
@@ -605,6 +681,7 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
     rows_cap = cache.key_codes.shape[2]
     evict = evict and rows_cap > 0      # a window kept in BF16 (no INT2 rows): its old tokens are just overwritten
     piece = w if evict and n > w else n
+    pages, page_consts = page_args(cache)
     bt = block_t or (16 if bsz * piece <= 16 else 64)
     for t0 in range(0, n, piece):
         p = min(piece, n - t0)
@@ -618,11 +695,11 @@ def append_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_ro
             khi, klo, khi if kmr is None else kmr, key_clip, vhi, vlo, vhi if vmr is None else vmr, value_clip,
             cache.key_sink, cache.key_recent, cache.key_codes, cache.key_scale, cache.key_zero,
             cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero,
-            cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles,
+            cache.lengths, cache.lengths if starts is None else starts, rows, n, t0, p, rows_cap, n_tiles, *pages,
             H=heads, D=d, C=c, GK=cache.key_group_size, GV=cache.value_group_size, S=s, W=w, BT=bt,
             K_MEAN=kmr is not None, V_MEAN=vmr is not None, HAS_START=starts is not None, EVICT=evict,
             DIRECT=n > w and rows_cap > 0, F32=not keys.is_cuda, R=cache.ring_slots, VT=cache.value_tiles,
-            RING=cache.window is not None, num_warps=4 if bt <= 64 else 8)
+            RING=cache.window is not None, **page_consts, num_warps=4 if bt <= 64 else 8)
 
 
 def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_rot, key_clip: torch.Tensor,
@@ -642,13 +719,18 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
     multiprocessor; keys per channel in blocks of 128 run as two such tiles a block (1.73 TB/s, against 1.16 for
     8-warp programs of one whole block held to 128 registers); 8-warp tiles (block_t 128) are held to 128. At
     head_dim 256 (two programs a head, 128 channels each) eight a multiprocessor, and no load ahead where a key
-    block spans two tiles (0.62-0.69 TB/s, against 0.03-0.04 for the torch reference; bench/results/write_d256.md)."""
+    block spans two tiles (0.62-0.69 TB/s, against 0.03-0.04 for the torch reference; bench/results/write_d256.md).
+    A paged.PagedKVCache: into the pages of its block tables (which hold them) and its window slots, in tiles that
+    divide the page."""
     bsz, heads, n, d = keys.shape
     c = columns(d, _channel_groups(cache), columns_a_program)
     s, tb = cache.sink_tokens, cache.token_block
     if cache.window is not None and cache.key_codes.shape[2] % max(block_t, tb):
         raise ValueError("prefill_kv writes a window's store in tiles that divide its rows")
     bt = max(min(tb, block_t), tb // 2) if tb > 1 else block_t
+    pages, page_consts = page_args(cache)
+    if page_consts["PAGED"] and (page_consts["PAGE"] % bt or page_consts["PAGE"] % tb):
+        raise ValueError(f"prefill_kv writes pages of {page_consts['PAGE']} tokens in tiles that divide them, not {bt}")
     registers = (128 if bt > 64 else None) if registers == 0 else registers
     if ahead is None:
         ahead = bt <= 64 and not (d > 128 and tb > bt)
@@ -662,9 +744,9 @@ def prefill_kv(cache, keys: torch.Tensor, values: torch.Tensor, key_rot, value_r
         values.stride(2), khi, klo, khi if kmr is None else kmr, key_clip, vhi, vlo, vhi if vmr is None else vmr,
         value_clip, cache.key_sink, cache.key_recent, cache.key_codes, cache.key_scale, cache.key_zero,
         cache.value_sink, cache.value_recent, cache.value_codes, cache.value_scale, cache.value_zero, cache.lengths,
-        n, cache.key_codes.shape[2], H=heads, D=d, C=c, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
+        n, cache.key_codes.shape[2], *pages, H=heads, D=d, C=c, GK=cache.key_group_size, GV=cache.value_group_size, S=s,
         W=cache.recent_tokens, R=cache.ring_slots, TB=tb, BT=bt, K_MEAN=kmr is not None, V_MEAN=vmr is not None,
-        AHEAD=ahead, F32=not keys.is_cuda, VT=cache.value_tiles, RING=cache.window is not None,
+        AHEAD=ahead, F32=not keys.is_cuda, VT=cache.value_tiles, RING=cache.window is not None, **page_consts,
         num_warps=4 if bt <= 64 else 8,
         num_stages=num_stages, **({"maxnreg": registers} if keys.is_cuda and registers else {}))
 
@@ -702,13 +784,14 @@ def _pack_columns(yt, inv, zero, BT: tl.constexpr, D: tl.constexpr, F32: tl.cons
 
 @triton.jit
 def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcodes_ptr, vscale_ptr, vzero_ptr,
-                  kclip_ptr, vclip_ptr, len_ptr, start_ptr, n, T,
+                  kclip_ptr, vclip_ptr, len_ptr, start_ptr, n, T, bt_ptr, ws_ptr, page_stride, max_pages,
                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                   W: tl.constexpr, R: tl.constexpr, HAS_START: tl.constexpr, F32: tl.constexpr, VT: tl.constexpr,
-                  RING: tl.constexpr):
+                  RING: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
     """Program (k, b·H + h, side): the k-th block of sequence b that this append of n tokens pushes out of
     the window (lengths already count them), from its G ring slots into INT2; nothing if there is none. RING: a
-    window's store, block j in row block j mod T/G, only the last T/G blocks written."""
+    window's store, block j in row block j mod T/G, only the last T/G blocks written. PAGED: a paged store, the
+    block in page bt_ptr[b, (S + jG) div PAGE] (G divides PAGE), its ring in window slot ws_ptr[b]."""
     k = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -729,19 +812,37 @@ def _leave_kernel(kring_ptr, vring_ptr, kcodes_ptr, kscale_ptr, kzero_ptr, vcode
         t = tl.arange(0, G)
         c = tl.arange(0, D)
         bh64 = bh.to(tl.int64)
-        slot = (bh64 * R + (blk * G + t) % R) * D
-        row = bh64 * T + kr * G + t
+        if PAGED:
+            p0 = S + blk * G
+            page = tl.load(bt_ptr + b.to(tl.int64) * max_pages + p0 // PAGE).to(tl.int64) * page_stride
+            slot = ((tl.load(ws_ptr + b) * H + h).to(tl.int64) * R + (blk * G + t) % R) * D
+            row = h * PAGE + p0 % PAGE + t
+        else:
+            slot = (bh64 * R + (blk * G + t) % R) * D
+            row = bh64 * T + kr * G + t
         if tl.program_id(2) == 0:
             order = _byte_order(D)
             yt = tl.load(kring_ptr + slot[None, :] + order[:, None]).to(tl.float32)
             packed, code, zero = _quantize_columns(yt, tl.load(kclip_ptr + h), G, D, F32)
-            tl.store(kcodes_ptr + row[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None], packed)
-            meta = (bh64 * (T // G) + kr) * D + order
+            if PAGED:
+                tl.store(kcodes_ptr + page + row[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None], packed)
+                meta = page + (h * (PAGE // G) + (p0 % PAGE) // G) * D + order
+            else:
+                tl.store(kcodes_ptr + row[None, :] * (D // 4) + tl.arange(0, D // 4)[:, None], packed)
+                meta = (bh64 * (T // G) + kr) * D + order
             tl.store(kscale_ptr + meta, code)
             tl.store(kzero_ptr + meta, zero)
         else:
             y = tl.load(vring_ptr + slot[:, None] + c[None, :]).to(tl.float32)
-            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, code_offsets(row, 0, D, D, VT), row * (D // GV), y,
+            if PAGED:
+                if VT:
+                    code_off = page // 2 + code_offsets(row, 0, D, D, True)
+                else:
+                    code_off = page + code_offsets(row, 0, D, D, False)
+                row_meta = page + row * (D // GV)
+            else:
+                code_off, row_meta = code_offsets(row, 0, D, D, VT), row * (D // GV)
+            _store_int2(vcodes_ptr, vscale_ptr, vzero_ptr, code_off, row_meta, y,
                         tl.load(vclip_ptr + h), t < G, G, D, GV, F32, VT)
 
 
@@ -749,16 +850,18 @@ def leave_blocks(cache, key_clip: torch.Tensor, value_clip: torch.Tensor, n: int
                  starts: torch.Tensor | None = None) -> None:
     """Keys per channel: quantize into INT2 the blocks that an append of n ≤ W tokens (starts: leading pads,
     as append_kv) pushes out of the window, from their ring slots; cache.lengths already count the append.
-    One launch of ⌈n/G⌉ programs per (sequence, KV head, side); run it before append_kv."""
-    bsz, heads, _, d = cache.key_recent.shape
+    One launch of ⌈n/G⌉ programs per (sequence, KV head, side); run it before append_kv. A paged.PagedKVCache: the
+    blocks into the pages of its block tables, from the rings of its window slots."""
+    bsz, (_, heads, _, d) = len(cache.lengths), cache.key_recent.shape
     g = cache.key_group_size
+    pages, page_consts = page_args(cache)
     if cache.key_axis != "channel" or n > cache.recent_tokens:
         raise ValueError("leave_blocks moves the key blocks of a store with keys per channel, n ≤ W tokens at a time")
     cached(_leave_kernel)(
         (triton.cdiv(n, g), bsz * heads, 2), cache.key_recent, cache.value_recent, cache.key_codes, cache.key_scale,
         cache.key_zero, cache.value_codes, cache.value_scale, cache.value_zero, key_clip, value_clip, cache.lengths,
-        cache.lengths if starts is None else starts, n, cache.key_codes.shape[2],
+        cache.lengths if starts is None else starts, n, cache.key_codes.shape[2], *pages,
         H=heads, D=d, G=g, GV=cache.value_group_size, S=cache.sink_tokens, W=cache.recent_tokens,
         R=cache.ring_slots, HAS_START=starts is not None, F32=not cache.key_codes.is_cuda,
-        VT=cache.value_tiles, RING=cache.window is not None,
+        VT=cache.value_tiles, RING=cache.window is not None, **page_consts,
         num_warps=4 if g * d <= 8192 else 8)
