@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from oscar_core.calibrate.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
 from oscar_core.calibrate.models import cache_argument
@@ -166,24 +167,80 @@ def answer_matches(text: str, key: str) -> bool:
 @torch.inference_mode()
 def greedy_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[str], bundle, num_layers: int,
                    max_new_tokens: int = ANSWER_TOKENS) -> dict[str, tuple[str, int, int, int]]:
-    """{method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: the greedy answer of up to max_new_tokens
-    to prompt [L] through each method's cache. The prompt but its last token is prefilled once with exact attention,
-    its K/V written into each method's OscarCache, and model.generate decodes the last prompt token and the answer
-    through that cache. A hybrid model's layers without a KV cache start every method's decode from a copy of their
-    prefill state."""
-    ids = prompt[None].to(model.device)
-    prefill = exact_cache(OscarCache(bundle, "bf16", num_layers=num_layers))
-    cache_arg = cache_argument(model)
-    model(input_ids=ids[:, :-1], **{cache_arg: prefill}, use_cache=True, logits_to_keep=1)
-    out = {}
+    """batch_answers of one prompt [L]: {method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}."""
+    return batch_answers(model, tokenizer, [prompt], method_names, bundle, num_layers, max_new_tokens)[0]
+
+
+def exact_prefill(model, prompts: list[torch.Tensor], like: OscarCache) -> tuple[Cache, torch.Tensor | None]:
+    """(An exact cache of every prompt [L_b] but its last token, the prefills left-padded with zeros to the longest,
+    each sequence's pads int32 [B] on the device, None if there are none). Each prompt is prefilled alone, exactly as
+    a batch of one: the same K/V whatever the batch, and no B x L x L padding mask at long contexts."""
+    cache_arg, longest = cache_argument(model), max(p.numel() for p in prompts) - 1
+    alone = []
+    for p in prompts:
+        alone.append(exact_cache(like))
+        model(input_ids=p[None, :-1].to(model.device), **{cache_arg: alone[-1]}, use_cache=True, logits_to_keep=1)
+    if len(alone) == 1:
+        return alone[0], None
+    if any(not isinstance(layer, DynamicLayer) for layer in alone[0].layers):
+        raise OscarError("a batch of prompts needs every layer to keep keys and values: answer a hybrid model's "
+                         "prompts one at a time (batch 1)")
+    out = exact_cache(like)
+    for i, layer in enumerate(out.layers):
+        rows = [c.layers[i] for c in alone]
+        k, v = (rows[0].keys.new_zeros(len(rows), *rows[0].keys.shape[1:-2], longest, rows[0].keys.shape[-1])
+                for _ in range(2))
+        for b, r in enumerate(rows):
+            n = r.keys.shape[-2]
+            k[b, :, longest - n:], v[b, :, longest - n:] = r.keys[0], r.values[0]
+            r.keys = r.values = None        # each prompt's copy freed as it is stacked
+        layer.update(k, v)
+    pads = torch.tensor([longest + 1 - p.numel() for p in prompts], dtype=torch.int32, device=model.device)
+    return out, pads if bool(pads.any()) else None
+
+
+def answer_length(tokens: torch.Tensor, stop: set[int]) -> int:
+    """New tokens of one sequence of a batch as it would have generated them alone: up to and with its first stop
+    token (greedy generation stops there; a batch goes on, padding it)."""
+    at = [i for i, t in enumerate(tokens.tolist()) if t in stop]
+    return at[0] + 1 if at else tokens.numel()
+
+
+@torch.inference_mode()
+def batch_answers(model, tokenizer, prompts: list[torch.Tensor], method_names: list[str], bundle, num_layers: int,
+                  max_new_tokens: int = ANSWER_TOKENS) -> list[dict[str, tuple[str, int, int, int]]]:
+    """Per prompt, {method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: the greedy answer of up to
+    max_new_tokens to each prompt [L_b] through each method's cache, the prompts answered together as one left-padded
+    batch. Each prompt but its last token is prefilled with exact attention (exact_prefill), its K/V written into
+    each method's OscarCache with its pads skipped (cache.fill), and model.generate decodes the last prompt tokens
+    and the answers through that cache, the attention mask hiding the pads. A sequence's answer and cached tokens
+    (L_b + new tokens − 1) are what it would get alone, up to float reduction order; its bytes are the batch's
+    cache bytes divided by the batch size: its share, exact when the prompts have one length (needle prompts),
+    else counting the longest prompt's capacity (an INT2 store) or, for SideStore layers, the mean of the prompts."""
+    like = OscarCache(bundle, "bf16", num_layers=num_layers)
+    prefill, starts = exact_prefill(model, prompts, like)
+    lengths = [p.numel() for p in prompts]
+    longest, batch = max(lengths), len(prompts)
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    ids = torch.full((batch, longest), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, longest - p.numel():], mask[b, longest - p.numel():] = p, 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    stop = model.generation_config.eos_token_id
+    stop = set(stop if isinstance(stop, list) else [] if stop is None else [stop])
+    cache_arg, out = cache_argument(model), [{} for _ in prompts]
     for m in method_names:
-        # Allocated for the prompt and the answer exactly, so the bytes reported are what the cache holds.
-        cache = fill(OscarCache(bundle, m, num_layers=num_layers, capacity=ids.shape[1] + max_new_tokens), prefill)
+        # Allocated for the prompts and the answers exactly, so the bytes reported are what the cache holds.
+        cache = fill(OscarCache(bundle, m, num_layers=num_layers, capacity=longest + max_new_tokens), prefill, starts)
         with oscar_attention(model, cache):
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_arg: cache},
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        out[m] = (tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), int(cache.get_seq_length()),
-                  cache.nbytes(), cache.bf16_nbytes())
+            gen = model.generate(ids, attention_mask=mask, **{cache_arg: cache}, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+        nbytes, bf16_bytes = cache.nbytes() // batch, cache.bf16_nbytes() // batch
+        for b, n in enumerate(lengths):
+            new = answer_length(gen[b, longest:], stop)
+            out[b][m] = (tokenizer.decode(gen[b, longest:longest + new], skip_special_tokens=True), n + new - 1,
+                         nbytes, bf16_bytes)
     return out
 
 
