@@ -35,6 +35,7 @@ NEEDLE_QUESTION = "\nWhat is the pass key? The pass key is"
 DEPTHS = (0.1, 0.5, 0.9)
 ANSWER_TOKENS = 8
 LOGIT_CHUNK = 1024
+CUDA_BATCH = 8
 
 
 @dataclass
@@ -46,6 +47,34 @@ class EvalRequest:
     depths: tuple[float, ...] = DEPTHS
     needle_trials: int = 1
     seed: int = 0
+    batch: int = 1
+
+
+@dataclass
+class Step:
+    """What an evaluation tells its on_step. text: the work under way, or (done) one plain line of a part just
+    finished and its figures; report: the report so far, JSON-ready, once a context is finished (every context in
+    report["finished"] complete), else None."""
+    text: str
+    done: bool = False
+    report: dict | None = None
+
+
+def default_batch(device: str) -> int:
+    """Prompts answered together unless asked otherwise: CUDA_BATCH on a GPU, where a decode step costs about the same
+    for 8 sequences as for one; 1 on the CPU, where it costs B times as much (docs/ruler.md)."""
+    return CUDA_BATCH if str(device).startswith("cuda") else 1
+
+
+def in_batches(items: list, size: int, key=lambda item: None) -> list[list]:
+    """items in order, in runs of at most `size` that share key(item) (answered in one generate call)."""
+    out = []
+    for item in items:
+        if out and len(out[-1]) < size and key(out[-1][0]) == key(item):
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
 
 
 def check_lengths(contexts: list[int], method_names: list[str], bundle, max_context: int | None = None) -> None:
@@ -67,6 +96,8 @@ def check_request(req: EvalRequest, bundle, max_context: int | None = None) -> N
     check_lengths(req.contexts, req.methods, bundle, max_context)
     if req.samples < 1 or req.needle_trials < 0 or any(not 0 <= d <= 1 for d in req.depths):
         raise UsageError("--samples must be positive, --needle-trials non-negative and depths in [0, 1]")
+    if req.batch < 1:
+        raise UsageError("--batch must be positive")
 
 
 def check_bundle(bundle, info, config=None) -> None:
@@ -244,8 +275,10 @@ def batch_answers(model, tokenizer, prompts: list[torch.Tensor], method_names: l
     return out
 
 
-def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | None = None) -> dict:
-    """Perplexity and needle accuracy of every method at every context; returns the JSON-ready report."""
+def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[Step], None] | None = None) -> dict:
+    """Perplexity and needle accuracy of every method at every context; returns the JSON-ready report. on_step hears
+    each part under way, a line of figures for each context's perplexity and needles, and the report so far after
+    each (Step)."""
     check_bundle(bundle, loaded.info, loaded.model.config)
     check_request(req, bundle, loaded.info.max_position_embeddings)
     model, tok = loaded.model, loaded.tokenizer
@@ -261,20 +294,24 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
               "bits_per_element_by_layer_type": {
                   m: {kind: {str(c): round(methods.bits_per_element(m, c, bundle, kind), 4) for c in req.contexts}
                       for kind in methods.layer_kinds(bundle)} for m in req.methods},
-              "perplexity": {m: {} for m in req.methods}, "windows": {}, "buckets": {},
-              "needle": {m: {} for m in req.methods}, "needle_prompts": {}, "needle_answers": [], "memory": {},
-              "timings_s": {}}
+              "batch": req.batch, "perplexity": {m: {} for m in req.methods}, "windows": {}, "buckets": {},
+              "needle": {m: {} for m in req.methods}, "needle_prompts": {}, "needle_answers": [],
+              "needle_accuracy": {m: {} for m in req.methods}, "memory": {}, "timings_s": {},
+              "finished": {"perplexity": [], "needle": []}}
     t0 = time.perf_counter()
     for c in req.contexts:
         wins = windows_of(tokens, c, req.samples, req.data, bos_prefix(tok))
         report["windows"][str(c)] = int(wins.shape[0])
         nll = {}
         for m in req.methods:
-            step(f"perplexity {m} @ {c}")
+            step(Step(f"perplexity {m} @ {c}"))
             nll[m] = window_nll(model, wins, m, bundle)
             report["perplexity"][m][str(c)] = math.exp(float(nll[m].mean()))
         if "bf16" in nll:  # the NLL excess over BF16 by position: an error that grows with position shows late
             report["buckets"][str(c)] = bucket_figures({m: x - nll["bf16"] for m, x in nll.items() if m != "bf16"})
+        report["finished"]["perplexity"].append(c)
+        step(Step(f"perplexity @ {c}: " + ", ".join(f"{m} {report['perplexity'][m][str(c)]:.3f}"
+                                                    for m in req.methods), done=True, report=report))
     report["timings_s"]["perplexity"] = round(time.perf_counter() - t0, 1)
 
     t0 = time.perf_counter()
@@ -283,15 +320,20 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
         for m in req.methods:
             report["needle"][m][str(c)] = {str(d): 0.0 for d in req.depths}
         report["needle_prompts"][str(c)] = {str(d): req.needle_trials for d in req.depths}
+        trials = []     # (depth, key, prompt), drawn in the order of the seed's stream
         for d in req.depths:
-            for trial in range(req.needle_trials):
+            for _ in range(req.needle_trials):
                 key = str(rng.randrange(10000, 100000))
                 start = rng.randrange(0, max(tokens.numel() - c, 1))
                 filler = torch.cat([tokens[start:], tokens[:start]])
-                step(f"needle @ {c}, depth {d:.0%}, trial {trial + 1}")
-                answers = greedy_answers(model, tok, needle_prompt(tok, filler, c, d, key), req.methods, bundle,
-                                         loaded.info.num_layers)
-                for m, (text, length, nbytes, bf16_bytes) in answers.items():
+                trials.append((d, key, needle_prompt(tok, filler, c, d, key)))
+        done = 0
+        for batch in in_batches(trials, req.batch):
+            step(Step(f"needle @ {c}, prompts {done + 1}-{done + len(batch)} of {len(trials)}"))
+            done += len(batch)
+            answers = batch_answers(model, tok, [p for *_, p in batch], req.methods, bundle, loaded.info.num_layers)
+            for (d, key, _), per_method in zip(batch, answers):
+                for m, (text, length, nbytes, bf16_bytes) in per_method.items():
                     hit = answer_matches(text, key)
                     report["needle"][m][str(c)][str(d)] += hit / req.needle_trials
                     report["needle_answers"].append({"method": m, "context": c, "depth": d, "key": key,
@@ -299,7 +341,13 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
                     report["memory"][m] = {"tokens": length, "bytes": nbytes, "bf16_bytes": bf16_bytes,
                                            "ratio": round(bf16_bytes / nbytes, 3),
                                            "bits_per_element": round(16 * nbytes / bf16_bytes, 4)}
+        for m in req.methods:
+            per = report["needle"][m][str(c)]
+            if per:
+                report["needle_accuracy"][m][str(c)] = sum(per.values()) / len(per)
+        report["finished"]["needle"].append(c)
+        step(Step(f"needle @ {c}: " + ", ".join(f"{m} {report['needle_accuracy'][m].get(str(c), 0):.0%}"
+                                                for m in req.methods) + f" ({len(trials)} prompts)",
+                  done=True, report=report))
     report["timings_s"]["needle"] = round(time.perf_counter() - t0, 1)
-    report["needle_accuracy"] = {m: {c: sum(v.values()) / len(v) for c, v in per.items() if v}
-                                 for m, per in report["needle"].items()}
     return report
