@@ -136,8 +136,8 @@ def test_batches_keep_order_and_key():
 def test_a_batch_answers_as_each_prompt_alone(default_model):
     """Three needle prompts of 530, 460 and 400 tokens (pads 0, 70 and 130: not whole key blocks) answered as one
     left-padded batch give, for bf16, kivi and oscar (SmolLM2, float32, the zoo bundle: a sink of 64, 256 recent,
-    keys per channel), each prompt's answer and cached tokens alone (every prompt holds INT2 tokens). tests/test_cache.py
-tests the fill alone."""
+    keys per channel), each prompt's answer and cached tokens alone (every prompt holds INT2 tokens).
+    tests/test_cache.py tests the fill alone."""
     bundle, tok = load_bundle(BUNDLE), default_model.tokenizer
     filler = ev.heldout_tokens(ev.DEFAULT_HELDOUT, tok, 2000)
     prompts = [ev.needle_prompt(tok, filler[i * 300:], n, 0.4, key)

@@ -225,7 +225,9 @@ def test_bits_per_element_are_the_measured_bytes_per_layer_type(gemma_bundle):
 
 def test_a_left_padded_batch_answers_as_each_prompt_alone(gemma_dir, gemma_bundle):
     """Sliding layers in a left-padded batch (bf16's and kivi's BF16 rings, oscar's window stores; windows of 8,
-    prompts 50 to 59 times that; the global layer holds INT2 tokens past its sink of 64 and 256 recent): batch_answers gives each prompt the answer and cached tokens it gets alone."""
+    prompts 50 to 59 times that; the global layer holds INT2 tokens past its sink of 64 and 256 recent):
+    batch_answers gives each prompt the answer and cached tokens it gets alone (with the pads written as tokens,
+    it did not)."""
     from oscar_core.calibrate.models import load_model
     from oscar_core.evaluate.perplexity import batch_answers, greedy_answers
     from oscar_core.formats.bundle import load_bundle

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from oscar_core.calibrate.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
 from oscar_core.calibrate.models import cache_argument
@@ -205,7 +205,8 @@ def greedy_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[st
 def exact_prefill(model, prompts: list[torch.Tensor], like: OscarCache) -> tuple[Cache, torch.Tensor | None]:
     """(An exact cache of every prompt [L_b] but its last token, the prefills left-padded with zeros to the longest,
     each sequence's pads int32 [B] on the device, None if there are none). Each prompt is prefilled alone, exactly as
-    a batch of one: the same K/V whatever the batch, and no B x L x L padding mask at long contexts."""
+    a batch of one: the same K/V whatever the batch, and no B x L x L padding mask at long contexts. Every layer of
+    `like` keeps keys and values (no state layers: batch_answers answers a hybrid model's prompts one at a time)."""
     cache_arg, longest = cache_argument(model), max(p.numel() for p in prompts) - 1
     alone = []
     for p in prompts:
@@ -213,9 +214,6 @@ def exact_prefill(model, prompts: list[torch.Tensor], like: OscarCache) -> tuple
         model(input_ids=p[None, :-1].to(model.device), **{cache_arg: alone[-1]}, use_cache=True, logits_to_keep=1)
     if len(alone) == 1:
         return alone[0], None
-    if any(not isinstance(layer, DynamicLayer) for layer in alone[0].layers):
-        raise OscarError("a batch of prompts needs every layer to keep keys and values: answer a hybrid model's "
-                         "prompts one at a time (batch 1)")
     out = exact_cache(like)
     for i, layer in enumerate(out.layers):
         rows = [c.layers[i] for c in alone]
@@ -249,6 +247,10 @@ def batch_answers(model, tokenizer, prompts: list[torch.Tensor], method_names: l
     cache bytes divided by the batch size: its share, exact when the prompts have one length (needle prompts),
     else counting the longest prompt's capacity (an INT2 store) or, for SideStore layers, the mean of the prompts."""
     like = OscarCache(bundle, "bf16", num_layers=num_layers)
+    if len(prompts) > 1 and len(like.kv_layers) + len(like.ring_layers) < len(like.layers):
+        # A hybrid model's linear-attention or Mamba states would take the pads in: its prompts one at a time.
+        return [batch_answers(model, tokenizer, [p], method_names, bundle, num_layers, max_new_tokens)[0]
+                for p in prompts]
     prefill, starts = exact_prefill(model, prompts, like)
     lengths = [p.numel() for p in prompts]
     longest, batch = max(lengths), len(prompts)

@@ -15,7 +15,9 @@ key_axis "channel": its keys and values leave the ring a block of G tokens at a 
 prefill is prefill_kv's, its decode steps triton.write.append_kv plus triton.write.leave_blocks, later chunks
 longer than the window the torch reference's.
 bf16 and the kivi baseline keep the SideStore below: sink, INT2 blocks and recent tokens as growing
-tensors, read in torch.
+tensors, read in torch. A left-padded batch written from an exact prefill (fill, with each sequence's pads) skips the
+pads: a store by its per-sequence lengths, SideStores by one a sequence (PaddedSides), so that each sequence's sink,
+INT2 tokens and recent window are those it has alone.
 
 A hybrid model's layers without a KV cache (linear attention, Mamba: models.attention_layer_ids, the bundle's
 rotation.layers) hold transformers' LinearAttentionLayer (their convolution and recurrent states, exact); the
@@ -463,8 +465,9 @@ class OscarLayer(DynamicLayer):
             return
         if starts is not None and bool(starts.any()):
             pads = starts.tolist()
-            self.key_store, self.value_store = (PaddedSides([SideStore(st.side, st.sink_tokens, st.recent_tokens, st.block) for _ in pads], pads)
-                                                for st in (self.key_store, self.value_store))
+            self.key_store, self.value_store = (
+                PaddedSides([SideStore(st.side, st.sink_tokens, st.recent_tokens, st.block) for _ in pads], pads)
+                for st in (self.key_store, self.value_store))
         self._update_sides(keys, values)
 
     def _update_sides(self, key_states: torch.Tensor, value_states: torch.Tensor):
