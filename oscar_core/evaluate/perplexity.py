@@ -245,7 +245,9 @@ def batch_answers(model, tokenizer, prompts: list[torch.Tensor], method_names: l
     and the answers through that cache, the attention mask hiding the pads. A sequence's answer and cached tokens
     (L_b + new tokens − 1) are what it would get alone, up to float reduction order; its bytes are the batch's
     cache bytes divided by the batch size: its share, exact when the prompts have one length (needle prompts),
-    else counting the longest prompt's capacity (an INT2 store) or, for SideStore layers, the mean of the prompts."""
+    else counting the longest prompt's capacity (an INT2 store) or, for SideStore layers, the mean of the prompts.
+    A hybrid model's prompts are answered one at a time, its layers without a KV cache starting every method's decode
+    from a copy of their prefill state."""
     like = OscarCache(bundle, "bf16", num_layers=num_layers)
     if len(prompts) > 1 and len(like.kv_layers) + len(like.ring_layers) < len(like.layers):
         # A hybrid model's linear-attention or Mamba states would take the pads in: its prompts one at a time.
