@@ -62,7 +62,7 @@ class Step:
 
 def default_batch(device: str) -> int:
     """Prompts answered together unless asked otherwise: CUDA_BATCH on a GPU, where a decode step costs about the same
-    for 8 sequences as for one; 1 on the CPU, where it costs B times as much (docs/ruler.md)."""
+    for 8 sequences as for one; 1 on the CPU, where it costs nearly B times as much (docs/ruler.md)."""
     return CUDA_BATCH if str(device).startswith("cuda") else 1
 
 
