@@ -118,7 +118,12 @@ def test_evaluate_short_context(default_model, tmp_path):
     """Perplexity and needle at 512 tokens: BF16 finds the key, naive INT2 is the worst perplexity."""
     bundle = load_bundle(BUNDLE)
     req = ev.EvalRequest(contexts=[512], methods=["bf16", "int2", "oscar"], samples=1, depths=(0.3,))
-    report = ev.evaluate(default_model, bundle, req)
+    steps = []
+    report = ev.evaluate(default_model, bundle, req, on_step=steps.append)
+    done = [s.text for s in steps if s.done]
+    assert done[0].startswith("perplexity @ 512: bf16 ") and done[1].startswith("needle @ 512: bf16 100%, int2 ")
+    assert len(done) == 2 and [s.report is report for s in steps if s.done] == [True, True]
+    assert report["finished"] == {"perplexity": [512], "needle": [512]}
     ppl = {m: report["perplexity"][m]["512"] for m in req.methods}
     assert ppl["bf16"] < ppl["int2"] and abs(ppl["oscar"] / ppl["bf16"] - 1) < 0.05
     assert report["needle"]["bf16"]["512"]["0.3"] == 1.0 and report["needle_prompts"] == {"512": {"0.3": 1}}
