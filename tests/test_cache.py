@@ -115,6 +115,44 @@ def test_left_padded_batch_reads_right_aligned():
     assert (out_k[1, :, :10] == 0).all()
 
 
+@pytest.mark.parametrize("method", ["bf16", "kivi", "hadamard"])
+def test_fill_skips_each_sequences_pads(method):
+    """cache.fill of a left-padded exact prefill (pads 0, 10 and 37 of 120, a store layer and kivi's SideStores per
+    sequence): after the prefill and after decode steps, each sequence's keys and values read exactly as filled
+    alone, right-aligned, its pads zeros; nothing of a pad is held."""
+    from transformers.cache_utils import DynamicLayer
+
+    from oscar_core.serve.cache import exact_cache, fill
+
+    n, pads = 120, [0, 10, 37]
+    rows = [kv(n - p, seed=b, heads=2) for b, p in enumerate(pads)]
+    keys, values = (torch.stack([torch.cat([torch.full_like(r[i][0, :, :1], 9.0).expand(-1, p, -1), r[i][0]], 1)
+                                 for r, p in zip(rows, pads)]) for i in (0, 1))
+
+    def make():
+        return OscarCache(None, method, num_layers=1, sink_tokens=4, recent_tokens=16, kernel_reads=False)
+
+    def prefill(k, v):
+        done = exact_cache(make())
+        done.layers[0] = DynamicLayer()
+        done.layers[0].update(k, v)
+        return done
+
+    batch = fill(make(), prefill(keys, values), torch.tensor(pads, dtype=torch.int32))
+    alone = [fill(make(), prefill(*r)) for r in rows]
+    for t in range(6):
+        got = batch.layers[0].read(torch.float32)
+        for b, (p, one) in enumerate(zip(pads, alone)):
+            want = one.layers[0].read(torch.float32)
+            for x, y in zip(got, want):
+                assert torch.equal(x[b, :, p:], y[0]) and (x[b, :, :p] == 0).all(), (t, b)
+        step = kv(1, seed=10 + t, heads=2)
+        batch.update(*(x.expand(len(pads), -1, -1, -1) for x in step), 0)
+        for one in alone:
+            one.update(*step, 0)
+    assert batch.get_seq_length() == n + 6 and (method == "bf16" or batch.layers[0].int2_tokens() > 0)
+
+
 def test_bad_inputs():
     with pytest.raises(OscarError, match="bundle"):
         OscarCache(None, "oscar", num_layers=2)

@@ -58,6 +58,9 @@ def test_bad_requests_fail_with_one_line():
     bundle = load_bundle(BUNDLE)
     with pytest.raises(OscarError, match="beyond the model's limit of 8192"):
         ev.check_request(ev.EvalRequest(contexts=[16384]), bundle)
+    with pytest.raises(OscarError, match="--batch must be positive"):
+        ev.check_request(ev.EvalRequest(batch=0), bundle)
+    assert ev.default_batch("cuda:0") == ev.CUDA_BATCH and ev.default_batch("cpu") == 1
     with pytest.raises(OscarError, match="unknown method"):
         ev.check_request(ev.EvalRequest(methods=["int3"]), bundle)
     with pytest.raises(OscarError, match="fewer than one window"):
@@ -115,9 +118,39 @@ def test_evaluate_short_context(default_model, tmp_path):
     """Perplexity and needle at 512 tokens: BF16 finds the key, naive INT2 is the worst perplexity."""
     bundle = load_bundle(BUNDLE)
     req = ev.EvalRequest(contexts=[512], methods=["bf16", "int2", "oscar"], samples=1, depths=(0.3,))
-    report = ev.evaluate(default_model, bundle, req)
+    steps = []
+    report = ev.evaluate(default_model, bundle, req, on_step=steps.append)
+    done = [s.text for s in steps if s.done]
+    assert done[0].startswith("perplexity @ 512: bf16 ") and done[1].startswith("needle @ 512: bf16 100%, int2 ")
+    assert len(done) == 2 and [s.report is report for s in steps if s.done] == [True, True]
+    assert report["finished"] == {"perplexity": [512], "needle": [512]}
     ppl = {m: report["perplexity"][m]["512"] for m in req.methods}
     assert ppl["bf16"] < ppl["int2"] and abs(ppl["oscar"] / ppl["bf16"] - 1) < 0.05
     assert report["needle"]["bf16"]["512"]["0.3"] == 1.0 and report["needle_prompts"] == {"512": {"0.3": 1}}
     assert report["memory"]["oscar"]["bytes"] < report["memory"]["oscar"]["bf16_bytes"]
     assert report["bits_per_element"]["bf16"]["512"] == 16.0
+
+
+def test_batches_keep_order_and_key():
+    items = [(0, 8), (1, 8), (2, 8), (3, 16), (4, 8)]
+    assert ev.in_batches(items, 2, key=lambda x: x[1]) == [[(0, 8), (1, 8)], [(2, 8)], [(3, 16)], [(4, 8)]]
+    assert ev.in_batches(items, 1) == [[x] for x in items] and ev.in_batches([], 3) == []
+
+
+@pytest.mark.slow
+def test_a_batch_answers_as_each_prompt_alone(default_model):
+    """Three needle prompts of 530, 460 and 400 tokens (pads 0, 70 and 130: not whole key blocks) answered as one
+    left-padded batch give, for bf16, kivi and oscar (SmolLM2, float32, the zoo bundle: a sink of 64, 256 recent,
+    keys per channel), each prompt's answer and cached tokens alone (every prompt holds INT2 tokens).
+    tests/test_cache.py tests the fill alone."""
+    bundle, tok = load_bundle(BUNDLE), default_model.tokenizer
+    filler = ev.heldout_tokens(ev.DEFAULT_HELDOUT, tok, 2000)
+    prompts = [ev.needle_prompt(tok, filler[i * 300:], n, 0.4, key)
+               for i, (n, key) in enumerate([(530, "48213"), (460, "70554"), (400, "31337")])]
+    model, layers, names = default_model.model, default_model.info.num_layers, ["bf16", "kivi", "oscar"]
+    together = ev.batch_answers(model, tok, prompts, names, bundle, layers)
+    for p, got in zip(prompts, together):
+        alone = ev.greedy_answers(model, tok, p, names, bundle, layers)
+        for m in names:
+            assert got[m][:2] == alone[m][:2], (p.numel(), m, got[m], alone[m])
+    assert together[0]["bf16"][3] == together[0]["kivi"][3] > together[0]["kivi"][2]

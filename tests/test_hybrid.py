@@ -114,9 +114,11 @@ def test_eval_runs_through_the_hybrid_cache(hybrid_model, hybrid_bundle, capfd, 
     _, bundle = hybrid_bundle
     code, out = run_cli(capfd, monkeypatch, "eval", str(bundle), "--model", str(hybrid_model), "--device", "cpu",
                         "--data", str(hybrid_model / "corpus.txt"), "--context", "256", "--samples", "1",
-                        "--methods", "bf16,oscar", "--depths", "0.5", "--json", str(tmp_path / "eval.json"))
+                        "--methods", "bf16,oscar", "--depths", "0.5", "--needle-trials", "2", "--batch", "2",
+                        "--json", str(tmp_path / "eval.json"))
     assert code == 0, out
     report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["batch"] == 2 and report["needle_prompts"] == {"256": {"0.5": 2}}  # answered one at a time
     assert all(math.isfinite(report["perplexity"][m]["256"]) for m in ("bf16", "oscar"))
     assert report["memory"]["oscar"]["tokens"] > 0 and report["memory"]["oscar"]["bytes"] > 0
 

@@ -161,6 +161,8 @@ def test_bad_requests():
         check_request(RulerRequest(tasks=["niah_single", "niah_double"]), bundle)
     with pytest.raises(OscarError, match="--samples must be positive"):
         check_request(RulerRequest(samples=0), bundle)
+    with pytest.raises(OscarError, match="--batch must be positive"):
+        check_request(RulerRequest(batch=0), bundle)
     assert default_samples("cuda:0") == 50 and default_samples("cpu") == 4
 
 
@@ -168,7 +170,8 @@ def test_cli_bad_input_is_one_line(capfd, monkeypatch, tmp_path):
     for args, message in ((["--context", "16384"], "beyond the model's limit of 8192"),
                           (["--suite", "rulers"], "unknown suite rulers"),
                           (["--tasks", "niah_single,words"], "unknown task words"),
-                          (["--samples", "0"], "0 is not a finite number at least 1")):
+                          (["--samples", "0"], "0 is not a finite number at least 1"),
+                          (["--batch", "0"], "0 is not a finite number at least 1")):
         code, out = run_cli(capfd, monkeypatch, "eval", str(BUNDLE), "--suite", "ruler", *args,
                             "--json", str(tmp_path / "r.json"))
         assert code == 2 and message in out and len(out.strip().splitlines()) == 1, out  # usage errors
@@ -196,12 +199,42 @@ def test_ruler_suite_end_to_end(default_model, capfd, monkeypatch, tmp_path):
         assert set(scores) == set(ruler.TASKS) and all(0 <= v <= 1 for v in scores.values())
         assert report["average"][m]["512"] == pytest.approx(sum(scores.values()) / len(scores))
     assert report["scores"]["bf16"]["512"]["niah_single"] == 1.0  # SmolLM2 finds one needle in 512 tokens
+    assert "ruler @ 512 niah_single: bf16 100.0%, oscar" in out and report["finished"] == [512]  # a log's lines
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     code, out = run_cli(capfd, monkeypatch, "eval", str(BUNDLE), "--suite", "ruler", "--context", "64",
                         "--methods", "bf16", "--device", "cpu", "--json", str(tmp_path / "none.json"))
     assert code == 2 and "--context 64: no task of the suite fits" in out and len(out.strip().splitlines()) == 1
     assert not (tmp_path / "none.json").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_run_leaves_its_lines_and_finished_contexts(default_model, capfd, monkeypatch, tmp_path):
+    """Output to a log (not a terminal): a plain line per finished (context, task) and context, and the JSON report
+    rewritten after each finished context, so a run that dies during the second context keeps the first. The
+    prompts go to the answerer `--batch` at a time (answers faked: this tests the bookkeeping)."""
+    sizes = []
+
+    def answers(model, tok, prompts, names, bundle, layers, new_tokens):
+        if prompts[0].numel() > 600:
+            raise OscarError("killed during the second context")
+        sizes.append(len(prompts))
+        return [{m: (" 1234567", 0, 1, 1) for m in names} for _ in prompts]
+
+    monkeypatch.setattr("oscar_cli.commands.eval.load_model", lambda spec, device: default_model)
+    monkeypatch.setattr("oscar_core.evaluate.evaluate_ruler.batch_answers", answers)
+    path = tmp_path / "ruler.json"
+    code, out = run_cli(capfd, monkeypatch, "eval", str(BUNDLE), "--suite", "ruler", "--context", "512",
+                        "--context", "1024", "--samples", "5", "--batch", "2", "--tasks", "niah_single,niah_multikey",
+                        "--methods", "bf16,kivi", "--device", "cpu", "--json", str(path))
+    assert code == 1 and "killed during the second context" in out
+    lines = [line for line in out.splitlines() if line.startswith("ruler @")]
+    assert lines[0].startswith("ruler @ 512 niah_single: bf16 0.0%, kivi 0.0% (5 prompts, ")
+    assert lines[1].startswith("ruler @ 512 niah_multikey: ") and lines[2].startswith("ruler @ 512 average: ")
+    assert len(lines) == 3 and sizes == [2, 2, 1] * 2
+    report = json.loads(path.read_text())
+    assert report["finished"] == [512] and report["batch"] == 2 and len(report["answers"]) == 2 * 2 * 5
+    assert report["scores"]["kivi"] == {"512": {"niah_single": 0.0, "niah_multikey": 0.0}, "1024": {}}
 
 
 def test_table_and_plot_give_prompt_counts_and_tasks_left_out():

@@ -221,3 +221,22 @@ def test_bits_per_element_are_the_measured_bytes_per_layer_type(gemma_bundle):
         assert sliding == 16.0
         assert 4 < methods.bits_per_element(method, 4000, bundle, "global") < 4.1   # head_dim 16: groups of 16
         assert accounted < 5   # not the sliding layers' 8 tokens counted over the context
+
+
+def test_a_left_padded_batch_answers_as_each_prompt_alone(gemma_dir, gemma_bundle):
+    """Sliding layers in a left-padded batch (bf16's and kivi's BF16 rings, oscar's window stores; windows of 8,
+    prompts 50 to 59 times that; the global layer holds INT2 tokens past its sink of 64 and 256 recent):
+    batch_answers gives each prompt the answer and cached tokens it gets alone (with the pads written as tokens,
+    it did not)."""
+    from oscar_core.calibrate.models import load_model
+    from oscar_core.evaluate.perplexity import batch_answers, greedy_answers
+    from oscar_core.formats.bundle import load_bundle
+
+    loaded = load_model(str(gemma_dir), "cpu", "float32")
+    bundle, names = load_bundle(gemma_bundle[1]), ["bf16", "kivi", "oscar"]
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (n,), generator=gen) for n in (470, 400, 433)]
+    together = batch_answers(loaded.model, loaded.tokenizer, prompts, names, bundle, 3)
+    for p, got in zip(prompts, together):
+        alone = greedy_answers(loaded.model, loaded.tokenizer, p, names, bundle, 3)
+        assert {m: got[m][:2] for m in names} == {m: alone[m][:2] for m in names}

@@ -16,7 +16,7 @@ from oscar_core.calibrate.models import load_model, resolve_device
 from oscar_core.errors import OscarError, UsageError
 from oscar_core.evaluate.evaluate_ruler import RulerRequest, default_samples, evaluate_ruler
 from oscar_core.evaluate.evaluate_ruler import check_request as check_ruler_request
-from oscar_core.evaluate.perplexity import DEPTHS, EvalRequest, check_request, evaluate
+from oscar_core.evaluate.perplexity import DEPTHS, EvalRequest, Step, check_request, default_batch, evaluate
 from oscar_core.evaluate.ruler import TASKS
 from oscar_core.evaluate.verify import resolve_model_spec
 from oscar_core.formats.bundle import load_bundle
@@ -47,6 +47,7 @@ def eval_command(
     needle_trials: Annotated[int, typer.Option(help="Needle prompts per context and depth (0: none).", callback=in_range(0))] = 1,
     depths: Annotated[str, typer.Option(help="Needle depths, comma-separated fractions.")] = ",".join(map(str, DEPTHS)),
     seed: Annotated[int, typer.Option(help="Seed of the pass keys, filler offsets and RULER-style prompts.")] = 0,
+    batch: Annotated[Optional[int], typer.Option(help="Needle and RULER-style prompts answered together, left-padded (default: 8 on CUDA, 1 on the CPU).", callback=POSITIVE)] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu, cuda or auto.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot here (a .png file).", callback=png_file)] = None,
@@ -55,13 +56,15 @@ def eval_command(
     BF16 and the INT2 methods at the same bits."""
     names = [m.strip() for m in methods_.split(",") if m.strip()]
     contexts, device = sorted(set(context or [2048])), resolve_device(device)
+    batch = default_batch(device) if batch is None else batch
     if suite == "ruler":
         req = RulerRequest(contexts=contexts, methods=names, tasks=[t.strip() for t in tasks.split(",") if t.strip()],
-                           data=data, samples=default_samples(device) if samples is None else samples, seed=seed)
+                           data=data, samples=default_samples(device) if samples is None else samples, seed=seed,
+                           batch=batch)
         check, run, render, draw = check_ruler_request, evaluate_ruler, ruler_tables, plot_ruler
     elif suite == "standard":
         req = EvalRequest(contexts=contexts, methods=names, data=data, samples=2 if samples is None else samples,
-                          depths=depth_list(depths), needle_trials=needle_trials, seed=seed)
+                          depths=depth_list(depths), needle_trials=needle_trials, seed=seed, batch=batch)
         check, run, render, draw = check_request, evaluate, lambda r: [table(r), *bucket_tables(r)], plot_report
     else:
         raise UsageError(f"unknown suite {suite}: use one of {', '.join(SUITES)}")
@@ -69,11 +72,20 @@ def eval_command(
     check(req, b)
     m = b.manifest
     loaded = load_model(resolve_model_spec(model, m.model, m.calibration.model_source), device)
+    logged = not console.is_terminal    # a log file: a plain line a finished part, so a killed run leaves a trace
+
+    def on_step(step: Step) -> None:
+        status.update(step.text)
+        if step.done and logged:
+            console.print(step.text, markup=False, highlight=False, soft_wrap=True)
+        if step.report is not None and json_out:     # the contexts finished so far survive a killed run
+            atomic_write_bytes(json_out, json.dumps(step.report, indent=1).encode())
+
     with err_console.status("evaluating") as status:
-        report = run(loaded, b, req, on_step=lambda s: status.update(s))
+        report = run(loaded, b, req, on_step=on_step)
     for t in render(report):
         console.print(t)
-    png = draw(report) if plot else None  # drawn before anything is written: a failing plot leaves no JSON either
+    png = draw(report) if plot else None  # drawn before the plot is written: a failing plot leaves no PNG
     if json_out:
         atomic_write_bytes(json_out, json.dumps(report, indent=1).encode())
         console.print(f"[green]wrote[/] {json_out}")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import Cache
 
 from oscar_core.calibrate.data import DEFAULT_HELDOUT, bos_prefix, texts, token_windows
 from oscar_core.calibrate.models import cache_argument
@@ -34,6 +35,7 @@ NEEDLE_QUESTION = "\nWhat is the pass key? The pass key is"
 DEPTHS = (0.1, 0.5, 0.9)
 ANSWER_TOKENS = 8
 LOGIT_CHUNK = 1024
+CUDA_BATCH = 8
 
 
 @dataclass
@@ -45,6 +47,34 @@ class EvalRequest:
     depths: tuple[float, ...] = DEPTHS
     needle_trials: int = 1
     seed: int = 0
+    batch: int = 1
+
+
+@dataclass
+class Step:
+    """What an evaluation tells its on_step. text: the work under way, or (done) one plain line of a part just
+    finished and its figures; report: the report so far, JSON-ready, once a context is finished (every context in
+    report["finished"] complete), else None."""
+    text: str
+    done: bool = False
+    report: dict | None = None
+
+
+def default_batch(device: str) -> int:
+    """Prompts answered together unless asked otherwise: CUDA_BATCH on a GPU, where a decode step costs about the same
+    for 8 sequences as for one; 1 on the CPU, where it costs nearly B times as much (docs/ruler.md)."""
+    return CUDA_BATCH if str(device).startswith("cuda") else 1
+
+
+def in_batches(items: list, size: int, key=lambda item: None) -> list[list]:
+    """items in order, in runs of at most `size` that share key(item) (answered in one generate call)."""
+    out = []
+    for item in items:
+        if out and len(out[-1]) < size and key(out[-1][0]) == key(item):
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
 
 
 def check_lengths(contexts: list[int], method_names: list[str], bundle, max_context: int | None = None) -> None:
@@ -66,6 +96,8 @@ def check_request(req: EvalRequest, bundle, max_context: int | None = None) -> N
     check_lengths(req.contexts, req.methods, bundle, max_context)
     if req.samples < 1 or req.needle_trials < 0 or any(not 0 <= d <= 1 for d in req.depths):
         raise UsageError("--samples must be positive, --needle-trials non-negative and depths in [0, 1]")
+    if req.batch < 1:
+        raise UsageError("--batch must be positive")
 
 
 def check_bundle(bundle, info, config=None) -> None:
@@ -166,29 +198,91 @@ def answer_matches(text: str, key: str) -> bool:
 @torch.inference_mode()
 def greedy_answers(model, tokenizer, prompt: torch.Tensor, method_names: list[str], bundle, num_layers: int,
                    max_new_tokens: int = ANSWER_TOKENS) -> dict[str, tuple[str, int, int, int]]:
-    """{method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: the greedy answer of up to max_new_tokens
-    to prompt [L] through each method's cache. The prompt but its last token is prefilled once with exact attention,
-    its K/V written into each method's OscarCache, and model.generate decodes the last prompt token and the answer
-    through that cache. A hybrid model's layers without a KV cache start every method's decode from a copy of their
-    prefill state."""
-    ids = prompt[None].to(model.device)
-    prefill = exact_cache(OscarCache(bundle, "bf16", num_layers=num_layers))
-    cache_arg = cache_argument(model)
-    model(input_ids=ids[:, :-1], **{cache_arg: prefill}, use_cache=True, logits_to_keep=1)
-    out = {}
+    """batch_answers of one prompt [L]: {method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}."""
+    return batch_answers(model, tokenizer, [prompt], method_names, bundle, num_layers, max_new_tokens)[0]
+
+
+def exact_prefill(model, prompts: list[torch.Tensor], like: OscarCache) -> tuple[Cache, torch.Tensor | None]:
+    """(An exact cache of every prompt [L_b] but its last token, the prefills left-padded with zeros to the longest,
+    each sequence's pads int32 [B] on the device, None if there are none). Each prompt is prefilled alone, exactly as
+    a batch of one: the same K/V whatever the batch, and no B x L x L padding mask at long contexts. Every layer of
+    `like` keeps keys and values (no state layers: batch_answers answers a hybrid model's prompts one at a time)."""
+    cache_arg, longest = cache_argument(model), max(p.numel() for p in prompts) - 1
+    alone = []
+    for p in prompts:
+        alone.append(exact_cache(like))
+        model(input_ids=p[None, :-1].to(model.device), **{cache_arg: alone[-1]}, use_cache=True, logits_to_keep=1)
+    if len(alone) == 1:
+        return alone[0], None
+    out = exact_cache(like)
+    for i, layer in enumerate(out.layers):
+        rows = [c.layers[i] for c in alone]
+        k, v = (rows[0].keys.new_zeros(len(rows), *rows[0].keys.shape[1:-2], longest, rows[0].keys.shape[-1])
+                for _ in range(2))
+        for b, r in enumerate(rows):
+            n = r.keys.shape[-2]
+            k[b, :, longest - n:], v[b, :, longest - n:] = r.keys[0], r.values[0]
+            r.keys = r.values = None        # each prompt's copy freed as it is stacked
+        layer.update(k, v)
+    pads = torch.tensor([longest + 1 - p.numel() for p in prompts], dtype=torch.int32, device=model.device)
+    return out, pads if bool(pads.any()) else None
+
+
+def answer_length(tokens: torch.Tensor, stop: set[int]) -> int:
+    """New tokens of one sequence of a batch as it would have generated them alone: up to and with its first stop
+    token (greedy generation stops there; a batch goes on, padding it)."""
+    at = [i for i, t in enumerate(tokens.tolist()) if t in stop]
+    return at[0] + 1 if at else tokens.numel()
+
+
+@torch.inference_mode()
+def batch_answers(model, tokenizer, prompts: list[torch.Tensor], method_names: list[str], bundle, num_layers: int,
+                  max_new_tokens: int = ANSWER_TOKENS) -> list[dict[str, tuple[str, int, int, int]]]:
+    """Per prompt, {method: (answer text, cached tokens, OscarCache bytes, BF16 bytes)}: the greedy answer of up to
+    max_new_tokens to each prompt [L_b] through each method's cache, the prompts answered together as one left-padded
+    batch. Each prompt but its last token is prefilled with exact attention (exact_prefill), its K/V written into
+    each method's OscarCache with its pads skipped (cache.fill), and model.generate decodes the last prompt tokens
+    and the answers through that cache, the attention mask hiding the pads. A sequence's answer and cached tokens
+    (L_b + new tokens − 1) are what it would get alone, up to float reduction order; its bytes are the batch's
+    cache bytes divided by the batch size: its share, exact when the prompts have one length (needle prompts),
+    else counting the longest prompt's capacity (an INT2 store) or, for SideStore layers, the mean of the prompts.
+    A hybrid model's prompts are answered one at a time, its layers without a KV cache starting every method's decode
+    from a copy of their prefill state."""
+    like = OscarCache(bundle, "bf16", num_layers=num_layers)
+    if len(prompts) > 1 and len(like.kv_layers) + len(like.ring_layers) < len(like.layers):
+        # A hybrid model's linear-attention or Mamba states would take the pads in: its prompts one at a time.
+        return [batch_answers(model, tokenizer, [p], method_names, bundle, num_layers, max_new_tokens)[0]
+                for p in prompts]
+    prefill, starts = exact_prefill(model, prompts, like)
+    lengths = [p.numel() for p in prompts]
+    longest, batch = max(lengths), len(prompts)
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    ids = torch.full((batch, longest), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, longest - p.numel():], mask[b, longest - p.numel():] = p, 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    stop = model.generation_config.eos_token_id
+    stop = set(stop if isinstance(stop, list) else [] if stop is None else [stop])
+    cache_arg, out = cache_argument(model), [{} for _ in prompts]
     for m in method_names:
-        # Allocated for the prompt and the answer exactly, so the bytes reported are what the cache holds.
-        cache = fill(OscarCache(bundle, m, num_layers=num_layers, capacity=ids.shape[1] + max_new_tokens), prefill)
+        # Allocated for the prompts and the answers exactly, so the bytes reported are what the cache holds.
+        cache = fill(OscarCache(bundle, m, num_layers=num_layers, capacity=longest + max_new_tokens), prefill, starts)
         with oscar_attention(model, cache):
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_arg: cache},
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        out[m] = (tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), int(cache.get_seq_length()),
-                  cache.nbytes(), cache.bf16_nbytes())
+            gen = model.generate(ids, attention_mask=mask, **{cache_arg: cache}, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+        nbytes, bf16_bytes = cache.nbytes() // batch, cache.bf16_nbytes() // batch
+        for b, n in enumerate(lengths):
+            new = answer_length(gen[b, longest:], stop)
+            out[b][m] = (tokenizer.decode(gen[b, longest:longest + new], skip_special_tokens=True), n + new - 1,
+                         nbytes, bf16_bytes)
     return out
 
 
-def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | None = None) -> dict:
-    """Perplexity and needle accuracy of every method at every context; returns the JSON-ready report."""
+def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[Step], None] | None = None) -> dict:
+    """Perplexity and needle accuracy of every method at every context; returns the JSON-ready report. on_step hears
+    each part under way, a line of figures for each context's perplexity and needles, and the report so far after
+    each (Step)."""
     check_bundle(bundle, loaded.info, loaded.model.config)
     check_request(req, bundle, loaded.info.max_position_embeddings)
     model, tok = loaded.model, loaded.tokenizer
@@ -204,20 +298,24 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
               "bits_per_element_by_layer_type": {
                   m: {kind: {str(c): round(methods.bits_per_element(m, c, bundle, kind), 4) for c in req.contexts}
                       for kind in methods.layer_kinds(bundle)} for m in req.methods},
-              "perplexity": {m: {} for m in req.methods}, "windows": {}, "buckets": {},
-              "needle": {m: {} for m in req.methods}, "needle_prompts": {}, "needle_answers": [], "memory": {},
-              "timings_s": {}}
+              "batch": req.batch, "perplexity": {m: {} for m in req.methods}, "windows": {}, "buckets": {},
+              "needle": {m: {} for m in req.methods}, "needle_prompts": {}, "needle_answers": [],
+              "needle_accuracy": {m: {} for m in req.methods}, "memory": {}, "timings_s": {},
+              "finished": {"perplexity": [], "needle": []}}
     t0 = time.perf_counter()
     for c in req.contexts:
         wins = windows_of(tokens, c, req.samples, req.data, bos_prefix(tok))
         report["windows"][str(c)] = int(wins.shape[0])
         nll = {}
         for m in req.methods:
-            step(f"perplexity {m} @ {c}")
+            step(Step(f"perplexity {m} @ {c}"))
             nll[m] = window_nll(model, wins, m, bundle)
             report["perplexity"][m][str(c)] = math.exp(float(nll[m].mean()))
         if "bf16" in nll:  # the NLL excess over BF16 by position: an error that grows with position shows late
             report["buckets"][str(c)] = bucket_figures({m: x - nll["bf16"] for m, x in nll.items() if m != "bf16"})
+        report["finished"]["perplexity"].append(c)
+        step(Step(f"perplexity @ {c}: " + ", ".join(f"{m} {report['perplexity'][m][str(c)]:.3f}"
+                                                    for m in req.methods), done=True, report=report))
     report["timings_s"]["perplexity"] = round(time.perf_counter() - t0, 1)
 
     t0 = time.perf_counter()
@@ -226,15 +324,20 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
         for m in req.methods:
             report["needle"][m][str(c)] = {str(d): 0.0 for d in req.depths}
         report["needle_prompts"][str(c)] = {str(d): req.needle_trials for d in req.depths}
+        trials = []     # (depth, key, prompt), drawn in the order of the seed's stream
         for d in req.depths:
-            for trial in range(req.needle_trials):
+            for _ in range(req.needle_trials):
                 key = str(rng.randrange(10000, 100000))
                 start = rng.randrange(0, max(tokens.numel() - c, 1))
                 filler = torch.cat([tokens[start:], tokens[:start]])
-                step(f"needle @ {c}, depth {d:.0%}, trial {trial + 1}")
-                answers = greedy_answers(model, tok, needle_prompt(tok, filler, c, d, key), req.methods, bundle,
-                                         loaded.info.num_layers)
-                for m, (text, length, nbytes, bf16_bytes) in answers.items():
+                trials.append((d, key, needle_prompt(tok, filler, c, d, key)))
+        done = 0
+        for batch in in_batches(trials, req.batch):
+            step(Step(f"needle @ {c}, prompts {done + 1}-{done + len(batch)} of {len(trials)}"))
+            done += len(batch)
+            answers = batch_answers(model, tok, [p for *_, p in batch], req.methods, bundle, loaded.info.num_layers)
+            for (d, key, _), per_method in zip(batch, answers):
+                for m, (text, length, nbytes, bf16_bytes) in per_method.items():
                     hit = answer_matches(text, key)
                     report["needle"][m][str(c)][str(d)] += hit / req.needle_trials
                     report["needle_answers"].append({"method": m, "context": c, "depth": d, "key": key,
@@ -242,7 +345,13 @@ def evaluate(loaded, bundle, req: EvalRequest, on_step: Callable[[str], None] | 
                     report["memory"][m] = {"tokens": length, "bytes": nbytes, "bf16_bytes": bf16_bytes,
                                            "ratio": round(bf16_bytes / nbytes, 3),
                                            "bits_per_element": round(16 * nbytes / bf16_bytes, 4)}
+        for m in req.methods:
+            per = report["needle"][m][str(c)]
+            if per:
+                report["needle_accuracy"][m][str(c)] = sum(per.values()) / len(per)
+        report["finished"]["needle"].append(c)
+        step(Step(f"needle @ {c}: " + ", ".join(f"{m} {report['needle_accuracy'][m].get(str(c), 0):.0%}"
+                                                for m in req.methods) + f" ({len(trials)} prompts)",
+                  done=True, report=report))
     report["timings_s"]["needle"] = round(time.perf_counter() - t0, 1)
-    report["needle_accuracy"] = {m: {c: sum(v.values()) / len(v) for c, v in per.items() if v}
-                                 for m, per in report["needle"].items()}
     return report

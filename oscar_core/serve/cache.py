@@ -15,7 +15,9 @@ key_axis "channel": its keys and values leave the ring a block of G tokens at a 
 prefill is prefill_kv's, its decode steps triton.write.append_kv plus triton.write.leave_blocks, later chunks
 longer than the window the torch reference's.
 bf16 and the kivi baseline keep the SideStore below: sink, INT2 blocks and recent tokens as growing
-tensors, read in torch.
+tensors, read in torch. A left-padded batch written from an exact prefill (fill, with each sequence's pads) skips the
+pads: a store by its per-sequence lengths, SideStores by one a sequence (PaddedSides), so that each sequence's sink,
+INT2 tokens and recent window are those it has alone.
 
 A hybrid model's layers without a KV cache (linear attention, Mamba: models.attention_layer_ids, the bundle's
 rotation.layers) hold transformers' LinearAttentionLayer (their convolution and recurrent states, exact); the
@@ -150,6 +152,53 @@ class SideStore:
     def tensors(self) -> list[torch.Tensor]:
         out = [t for t in (self.sink, self.recent) if t is not None]
         return out + (list(self.int2.values()) if self.int2 is not None else [])
+
+
+class PaddedSides:
+    """One SideStore a sequence of a left-padded batch: sequence b's first append skips its pads[b] leading pads, so
+    its sink, INT2 blocks and recent window hold the tokens they would hold for it alone; its reads are right-aligned
+    to the batch's padded length (pads[b] + its own), the pads zeros (the attention mask hides them)."""
+
+    def __init__(self, rows: list[SideStore], pads: list[int]):
+        self.rows, self.pads = rows, pads
+
+    def append(self, x: torch.Tensor) -> None:
+        for b, row in enumerate(self.rows):
+            row.append(x[b:b + 1, :, 0 if row.length() else self.pads[b]:])
+
+    def read(self, dtype: torch.dtype, last: int | None = None) -> torch.Tensor:
+        parts = [row.read(dtype, last) for row in self.rows]
+        cols = min(self.length(), last or self.length())
+        out = parts[0].new_zeros(len(parts), parts[0].shape[1], cols, parts[0].shape[3])
+        for b, part in enumerate(parts):
+            n = min(part.shape[2], cols)
+            if n:
+                out[b, :, cols - n:] = part[0, :, part.shape[2] - n:]
+        return out
+
+    def trim(self, keep: int) -> None:
+        for row in self.rows:
+            row.trim(keep)
+
+    def held(self) -> int:
+        return max(row.held() for row in self.rows)
+
+    def length(self) -> int:
+        """The batch's padded length (the same for every sequence: its pads and its tokens)."""
+        return self.pads[0] + self.rows[0].length()
+
+    @property
+    def n_int2(self) -> int:
+        return max(row.n_int2 for row in self.rows)
+
+    @property
+    def sink(self) -> torch.Tensor | None:
+        """A [B, …] stand-in of the sink's shape (bf16_nbytes reads its batch, heads and head_dim)."""
+        sink = self.rows[0].sink
+        return None if sink is None else sink.expand(len(self.rows), -1, -1, -1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for row in self.rows for t in row.tensors()]
 
 
 class Sequences:
@@ -404,6 +453,22 @@ class OscarLayer(DynamicLayer):
         if query.shape[2] != 1:
             return None
         return self.decode_attention(query[:, :, 0], scaling).to(query.dtype).unsqueeze(1)
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor | None = None) -> None:
+        """Write an exact prefill's keys and values [B, H_kv, n, d] into this empty layer, sequence b's first starts[b]
+        tokens (its left pads; None: none) skipped, as attend() would skip them had it seen the mask: the store's
+        per-sequence lengths, or a SideStore a sequence (PaddedSides)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        if self.key_store is None:
+            self.commit(keys, values, starts)
+            return
+        if starts is not None and bool(starts.any()):
+            pads = starts.tolist()
+            self.key_store, self.value_store = (
+                PaddedSides([SideStore(st.side, st.sink_tokens, st.recent_tokens, st.block) for _ in pads], pads)
+                for st in (self.key_store, self.value_store))
+        self._update_sides(keys, values)
 
     def _update_sides(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """A sliding layer of window W returns what get_mask_sizes announces (its last W − 1 tokens, and the new ones)
@@ -670,12 +735,16 @@ def exact_cache(like: OscarCache) -> Cache:
                          for layer in like.layers])
 
 
-def fill(cache: OscarCache, prefill: Cache) -> OscarCache:
+def fill(cache: OscarCache, prefill: Cache, starts: torch.Tensor | None = None) -> OscarCache:
     """Write an exact prefill (exact_cache) into `cache`: each KV layer's keys and values through the cache's
-    method (a ring keeps the last of them), and a copy of each state layer (so that several caches can decode on
-    from one prefill)."""
+    method (a ring keeps the last of them, pads included: the mask hides them), and a copy of each state layer (so
+    that several caches can decode on from one prefill). starts: each sequence's leading pads in a left-padded
+    batch (int32 [B] on the device; None: none), skipped by every OscarLayer (OscarLayer.fill)."""
     for i, done in enumerate(prefill.layers):
-        if isinstance(cache.layers[i], (OscarLayer, RingLayer)):
+        layer = cache.layers[i]
+        if isinstance(layer, OscarLayer):
+            layer.fill(done.keys, done.values, starts)
+        elif isinstance(layer, RingLayer):
             cache.update(done.keys, done.values, i)
         else:
             cache.layers[i] = copy.deepcopy(done)
