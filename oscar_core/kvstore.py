@@ -46,8 +46,35 @@ class LayerRotation:
     value_mean: torch.Tensor | None = None
 
 
+class StoreWindows:
+    """What a store's key format and BF16 windows imply, from its fields (key_group_size, key_axis, value_layout,
+    key_sink, key_recent): shared by Int2KVCache and paged.PagedKVCache."""
+
+    @property
+    def token_block(self) -> int:
+        """Tokens that leave the recent window together: 1, or G for keys per channel."""
+        return self.key_group_size if self.key_axis == "channel" else 1
+
+    @property
+    def value_tiles(self) -> bool:
+        """Whether the value codes are in 64-row tiles (value_layout "tiles")."""
+        return self.value_layout == "tiles"
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.key_sink.shape[2]
+
+    @property
+    def ring_slots(self) -> int:
+        return self.key_recent.shape[2]
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.ring_slots - (self.token_block if self.key_axis == "channel" else 0)
+
+
 @dataclass
-class Int2KVCache:
+class Int2KVCache(StoreWindows):
     """Padded per-sequence INT2 KV store of one layer, B sequences, H_kv heads, head_dim d.
 
     Position p < S (S = sink_tokens) of sequence b:   key_sink[b, :, p]                      bf16 [B, H_kv, S, d]
@@ -104,27 +131,6 @@ class Int2KVCache:
     # they go with the store's tensors they read).
     graphs: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def token_block(self) -> int:
-        """Tokens that leave the recent window together: 1, or G for keys per channel."""
-        return self.key_group_size if self.key_axis == "channel" else 1
-
-    @property
-    def value_tiles(self) -> bool:
-        """Whether the value codes are in 64-row tiles (value_layout "tiles")."""
-        return self.value_layout == "tiles"
-
-    @property
-    def sink_tokens(self) -> int:
-        return self.key_sink.shape[2]
-
-    @property
-    def ring_slots(self) -> int:
-        return self.key_recent.shape[2]
-
-    @property
-    def recent_tokens(self) -> int:
-        return self.ring_slots - (self.token_block if self.key_axis == "channel" else 0)
 
     def int2_tokens(self) -> torch.Tensor:
         """Number of INT2 rows in use per sequence, int64 [B]."""

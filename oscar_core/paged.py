@@ -89,7 +89,7 @@ def page_problem(page_tokens: int, sink_tokens: int, key_group_size: int, key_ax
 
 
 @dataclass
-class PagedKVCache:
+class PagedKVCache(kvstore.StoreWindows):
     """One layer's paged store (the module docstring): the INT2 arrays are views of `pool` [num_pages, page_bytes],
     [num_pages, H_kv, P, ...] each; the BF16 windows [slots, H_kv, S or R, d]; block_table int32 [B, max_pages],
     window_slot int32 [B] and lengths int32 [B] (tokens of each sequence, as kvstore's) per sequence.
@@ -123,26 +123,6 @@ class PagedKVCache:
     def page_stride(self) -> int:
         """Bytes from one page to the next in every INT2 array."""
         return self.pool.stride(0)
-
-    @property
-    def token_block(self) -> int:
-        return self.key_group_size if self.key_axis == "channel" else 1
-
-    @property
-    def value_tiles(self) -> bool:
-        return self.value_layout == "tiles"
-
-    @property
-    def sink_tokens(self) -> int:
-        return self.key_sink.shape[2]
-
-    @property
-    def ring_slots(self) -> int:
-        return self.key_recent.shape[2]
-
-    @property
-    def recent_tokens(self) -> int:
-        return self.ring_slots - (self.token_block if self.key_axis == "channel" else 0)
 
     @property
     def rows(self) -> int:
