@@ -42,11 +42,11 @@ def rebuild(out: Path, seed: int) -> None:
     (out / "info.json").write_text(json.dumps(info))
 
 
-def per_kind(a: dict, b: dict, covariances: dict) -> dict[str, dict]:
+def per_kind(a: dict, b: dict, covariances: dict, excesses: dict) -> dict[str, dict]:
     """Per tensor kind: largest and smallest deviation over layers (and heads), and the element-wise maximum."""
     out: dict[str, dict] = {}
     for name in sorted(a):
-        value, _ = tensor_deviation(name, a[name], b[name], covariances.get(name))
+        value, _ = tensor_deviation(name, a[name], b[name], covariances.get(name), excesses.get(name))
         k = out.setdefault(kind_of(name), {"max": 0.0, "min": float("inf"), "elementwise": 0.0, "changed": 0,
                                            "count": 0})
         k["count"] += a[name].numel()
@@ -92,14 +92,15 @@ def main() -> None:
         out = args.work / f"{capability}-s{seed}"
         info = json.loads((out / "info.json").read_text())
         bundle = load_bundle(out / "zoo" / NAME / "v1")
-        covariances = zoo.rotation_covariances(zoo.calibration_dir(out / "work", default_recipe(seed)), bundle.manifest)
+        covariances, excesses = zoo.rebuild_measures(zoo.calibration_dir(out / "work", default_recipe(seed)),
+                                                     committed, bundle)
         if not (out / "figures.json").is_file():  # verify is slow: measured once per rebuild
             t = time.perf_counter()
             figures = measure_figures(loaded, bundle, ids)
             (out / "figures.json").write_text(json.dumps({"figures": figures,
                                                           "verify_s": round(time.perf_counter() - t, 1)}))
         rows.append({**info, **json.loads((out / "figures.json").read_text()),
-                     "kinds": per_kind(committed.tensors, bundle.tensors, covariances),
+                     "kinds": per_kind(committed.tensors, bundle.tensors, covariances, excesses),
                      "bytes_identical": zoo.differences(committed_dir, out / "zoo" / NAME / "v1") == []})
     write_report(args.out, rows, recorded["figures"], native, same_machine)
 

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from oscar_core.equivalence import (Deviation, TOLERANCES, figure_deviations, json_differences,
+from oscar_core.equivalence import (CLIP_TIE, Deviation, TOLERANCES, clip_excess, figure_deviations, json_differences,
                                     rotated_covariance_deviation, tensor_deviations)
 from oscar_core.rotations import bit_reversal_permutation, eigenbasis, hadamard, rotation
 
@@ -59,6 +59,28 @@ def test_tensor_deviations_by_kind_with_structural_reasons():
     clip = by_kind["key_clip"]
     assert not clip.ok and math.isclose(clip.worst, 0.02, rel_tol=1e-5)
     assert clip.reason().startswith("key_clip deviates by 0.02 at layers.0.key_clip head 0 (0.8 vs 0.82)")
+
+
+def test_a_clip_is_held_to_the_rebuilds_objective_a_near_tie_passes_a_worse_clip_fails():
+    """Clips measured by the rebuild's objective E: the committed 0.72 where the rebuild chose 0.74 passes when
+    E(0.72) is within CLIP_TIE of E(0.74); a clip that costs more fails with its excess and both values."""
+    def objective(optimum: float, depth: float):
+        return lambda c: 1.0 + depth * (torch.as_tensor(c, dtype=torch.float64) - optimum) ** 2
+
+    rebuilt = {"layers.0.value_clip": torch.tensor([0.74, 0.80])}
+    near = {"layers.0.value_clip": torch.tensor([0.72, 0.80])}
+    far = {"layers.0.value_clip": torch.tensor([0.74, 0.50])}
+    tie = objective(0.73, 1.0)                     # 0.72 and 0.74 score the same
+    assert clip_excess(tie, rebuilt["layers.0.value_clip"], rebuilt["layers.0.value_clip"]).tolist() == [0.0, 0.0]
+    excess = {"layers.0.value_clip": clip_excess(tie, near["layers.0.value_clip"], rebuilt["layers.0.value_clip"])}
+    (clip,), _ = tensor_deviations(near, rebuilt, {}, excess)
+    assert clip.ok and clip.tolerance == CLIP_TIE and clip.where == "layers.0.value_clip head 0 (0.72 vs 0.74)"
+    steep = objective(0.75, 10.0)
+    excess = {"layers.0.value_clip": clip_excess(steep, far["layers.0.value_clip"], rebuilt["layers.0.value_clip"])}
+    (clip,), _ = tensor_deviations(far, rebuilt, {}, excess)
+    worse = (1 + 10 * 0.25 ** 2) / (1 + 10 * 0.05 ** 2) - 1
+    assert not clip.ok and math.isclose(clip.worst, worse, rel_tol=1e-6)  # clips are float32
+    assert clip.reason().startswith(f"value_clip deviates by {worse:.3g} at layers.0.value_clip head 1 (0.5 vs 0.8)")
 
 
 def test_figures_and_json_differences():

@@ -185,26 +185,33 @@ def turned_probes(stats, layer: int, inv_freq: torch.Tensor | None, offsets=()) 
     return probes
 
 
+def key_clip_errors(stats, layer: int, r: torch.Tensor, mean: torch.Tensor | None, group_size: int,
+                    sink_tokens: int, objective: str = "logit", axis: str = "token",
+                    probes: dict[int, dict] | None = None):
+    """errors_at(c) -> [kv_heads]: the key clip objective (module doc) of one layer's keys rotated by r and centred
+    by mean, summed over `probes` (turned_probes; default: the probe alone; "logit", whose C_Q is the probe's, on
+    the probe alone). Its argmin over the grid is the layer's c_K."""
+    if objective not in KEY_CLIP_OBJECTIVES:
+        raise ValueError(f"unknown key clip objective {objective!r}: one of {', '.join(KEY_CLIP_OBJECTIVES)}")
+    probes = probes or {0: stats.probe(layer)}
+    if objective == "logit":
+        keys, c_q = probes[0]["key"], stats.query_covariance(layer)
+        return lambda c: key_errors(keys, r, mean, c_q, c, group_size, sink_tokens, axis)
+    scaling = float(stats.acc["scaling"][layer])
+    return lambda c: sum(key_attention_errors(objective, p["query"], p["key"], p["value"], p["positions"], r, mean,
+                                              c, group_size, sink_tokens, scaling, axis) for p in probes.values())
+
+
 def derive_keys(stats, layer: int, variant: str, centering: bool, group_size: int, sink_tokens: int,
                 grid=CLIP_GRID, objective: str = "logit", axis: str = "token",
                 probes: dict[int, dict] | None = None) -> dict[str, torch.Tensor]:
-    """R_K, c_K and (if centering) μ_K of one layer for keys grouped along `axis`; c_K by the key clip objective
-    (see the module doc), summed over `probes` (turned_probes; default: the probe alone; the "logit" objective,
-    whose C_Q is the probe's, on the probe alone)."""
+    """R_K, c_K and (if centering) μ_K of one layer for keys grouped along `axis`; c_K the argmin over the grid
+    of key_clip_errors."""
     if objective not in KEY_CLIP_OBJECTIVES:
         raise ValueError(f"unknown key clip objective {objective!r}: one of {', '.join(KEY_CLIP_OBJECTIVES)}")
-    c_q = stats.query_covariance(layer)
-    r = rotation(variant, c_q, group_size)
+    r = rotation(variant, stats.query_covariance(layer), group_size)
     mean = stats.key_mean(layer) if centering else None
-    probes = probes or {0: stats.probe(layer)}
-    if objective == "logit":
-        keys = probes[0]["key"]
-        clip = search_clip(lambda c: key_errors(keys, r, mean, c_q, c, group_size, sink_tokens, axis), grid)
-    else:
-        scaling = float(stats.acc["scaling"][layer])
-        clip = search_clip(lambda c: sum(key_attention_errors(objective, p["query"], p["key"], p["value"],
-                                                              p["positions"], r, mean, c, group_size, sink_tokens,
-                                                              scaling, axis) for p in probes.values()), grid)
+    clip = search_clip(key_clip_errors(stats, layer, r, mean, group_size, sink_tokens, objective, axis, probes), grid)
     return {"key_rotation": r, "key_clip": clip, **({"key_mean": mean} if mean is not None else {})}
 
 
@@ -223,15 +230,22 @@ def key_output_error(stats, layer: int, keys: dict[str, torch.Tensor], group_siz
     return float(error.sum() / exact.pow(2).sum().clamp_min(torch.finfo(torch.float64).tiny))
 
 
+def value_clip_errors(stats, layer: int, r: torch.Tensor, mean: torch.Tensor | None, group_size: int,
+                      sink_tokens: int):
+    """errors_at(c) -> [kv_heads]: the value clip objective ‖S(V̂ − V)‖² of one layer's values rotated by r and
+    centred by mean, on the probe. Its argmin over the grid is the layer's c_V."""
+    p = stats.probe(layer)
+    scaling = float(stats.acc["scaling"][layer])
+    return lambda c: value_errors(p["query"], p["key"], p["value"], p["positions"], r, mean, c, group_size,
+                                  sink_tokens, scaling)
+
+
 def derive_values(stats, layer: int, variant: str, centering: bool, group_size: int, sink_tokens: int,
                   grid=CLIP_GRID) -> dict[str, torch.Tensor]:
     """R_V, c_V and (if centering) μ_V of one layer."""
     r = rotation(variant, stats.score_weighted_value_covariance(layer), group_size)
     mean = stats.value_mean(layer) if centering else None
-    p = stats.probe(layer)
-    scaling = float(stats.acc["scaling"][layer])
-    clip = search_clip(lambda c: value_errors(p["query"], p["key"], p["value"], p["positions"], r, mean, c,
-                                              group_size, sink_tokens, scaling), grid)
+    clip = search_clip(value_clip_errors(stats, layer, r, mean, group_size, sink_tokens), grid)
     return {"value_rotation": r, "value_clip": clip, **({"value_mean": mean} if mean is not None else {})}
 
 
@@ -283,16 +297,29 @@ def derive_layer(stats, layer: int, opts: DeriveOptions, inv_freq: torch.Tensor 
     return {**keys, **values}, {"layer": layer, "key_axis": axis, "key_format": best, "errors": errors}
 
 
+def clip_objectives(stats, layer: int, tensors: dict[str, torch.Tensor], opts: DeriveOptions, axis: str = "token",
+                    inv_freq: torch.Tensor | None = None) -> dict:
+    """{"key_clip": errors_at, "value_clip": errors_at}: the objectives whose argmins chose a derived layer's clips
+    (derive_layer with opts), given its tensors (names without the `layers.{i}.` prefix) and its key axis."""
+    probes = turned_probes(stats, layer, inv_freq, opts.far_offsets)
+    return {"key_clip": key_clip_errors(stats, layer, tensors["key_rotation"].double(),
+                                        _double(tensors.get("key_mean")), opts.key_group_size, opts.sink_tokens,
+                                        opts.key_clip_objective, axis, probes),
+            "value_clip": value_clip_errors(stats, layer, tensors["value_rotation"].double(),
+                                            _double(tensors.get("value_mean")), opts.value_group_size,
+                                            opts.sink_tokens)}
+
+
+def _double(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.double()
+
+
 def uncentred_clip_errors(stats, layer: int, side: str, r: torch.Tensor, group_size: int, sink_tokens: int):
     """errors_at(c) -> [kv_heads] of one layer on the calibration probe with nothing centred (as a runtime without
     key or value means stores the cache): the key logit objective Σ e C_Q eᵀ, or the value output error."""
-    p = stats.probe(layer)
     if side == "key":
-        c_q = stats.query_covariance(layer)
-        return lambda c: key_errors(p["key"], r, None, c_q, c, group_size, sink_tokens)
-    scaling = float(stats.acc["scaling"][layer])
-    return lambda c: value_errors(p["query"], p["key"], p["value"], p["positions"], r, None, c, group_size,
-                                  sink_tokens, scaling)
+        return key_clip_errors(stats, layer, r, None, group_size, sink_tokens, "logit")
+    return value_clip_errors(stats, layer, r, None, group_size, sink_tokens)
 
 
 def search_global_clip(errors_at: list, grid) -> float:

@@ -102,6 +102,21 @@ def layer_frequencies(record: dict) -> dict[int, torch.Tensor]:
     return {i: torch.tensor(f, dtype=torch.float64) for i, f in enumerate(record.get("rope_inv_freq") or []) if f}
 
 
+def capped_options(opts: DeriveOptions, model: ModelInfo) -> DeriveOptions:
+    """opts with the group sizes capped at the model's head_dim."""
+    return DeriveOptions(**{**opts.__dict__, "key_group_size": min(opts.key_group_size, model.head_dim),
+                            "value_group_size": min(opts.value_group_size, model.head_dim)})
+
+
+def served_options(opts: DeriveOptions, model: ModelInfo, sink_tokens: int, probe_tokens: int,
+                   has_rope: bool) -> DeriveOptions:
+    """The options a layer is derived with: group sizes capped, the served sink, and, for a RoPE model, the far
+    offsets its key formats and clips are scored at (rope.far_offsets of the model's context)."""
+    return DeriveOptions(**{**capped_options(opts, model).__dict__, "sink_tokens": sink_tokens,
+                            "far_offsets": far_offsets(model.max_position_embeddings, probe_tokens) if has_rope
+                            else ()})
+
+
 def derive_layers(stats, calib_dir, num_heads: int, opts: DeriveOptions, workers: int,
                   on_layer: Callable[[int, int], None] | None = None, layers: list[int] | None = None,
                   frequencies: dict[int, torch.Tensor] | None = None):
@@ -175,8 +190,7 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     check_record(record, calib_dir)
     with schema_errors(f"calibration record {Path(calib_dir) / 'calibration.json'}: model"):
         model = ModelInfo.model_validate(record["model"])
-    opts = DeriveOptions(**{**opts.__dict__, "key_group_size": min(opts.key_group_size, model.head_dim),
-                            "value_group_size": min(opts.value_group_size, model.head_dim)})
+    opts = capped_options(opts, model)
     for size in (opts.key_group_size, opts.value_group_size):
         if group_size_problem(size, model.head_dim):
             raise UsageError(group_size_problem(size, model.head_dim))
@@ -198,10 +212,7 @@ def export_bundle(calib_dir: str | Path, zoo_root: str | Path, version: str = "v
     if not layers:
         raise OscarError(f"no layer of {model.id} holds INT2 tokens: {int2_reason(specs, sink_tokens, recent_tokens)}")
     frequencies = layer_frequencies(record)
-    probe_tokens = stats.probe(layers[0])["key"].shape[-2]
-    opts = DeriveOptions(**{**opts.__dict__, "sink_tokens": sink_tokens,
-                            "far_offsets": far_offsets(model.max_position_embeddings, probe_tokens) if frequencies
-                            else ()})
+    opts = served_options(opts, model, sink_tokens, stats.probe(layers[0])["key"].shape[-2], bool(frequencies))
     tensors: dict[str, torch.Tensor] = {}
     formats: list[LayerQuant] = []
     for layer, (derived, info) in derive_layers(stats, calib_dir, model.num_heads, opts, min(workers, len(layers)),

@@ -10,8 +10,8 @@ directory exists, the hub weights are cached or the hub is reachable) and its de
 The reproducibility contract, kept by `check`, which rebuilds into a temporary directory:
 - same machine and software: the rebuild is byte-identical ("same");
 - any other machine: the rebuild must be numerically equivalent ("equivalent", else "differs"): the manifest
-  identical apart from checksum and provenance (platform, model source), every clip identical, every other
-  tensor within the tolerances of oscar_core/equivalence.py, and, when `oscar verify --record` left a
+  identical apart from checksum, provenance (platform, model source) and the mean clips, every clip the rebuild's
+  own or a near tie of its search, every other tensor within the tolerances of oscar_core/equivalence.py, and, when `oscar verify --record` left a
   verify.json, the rebuild's verify figures within VERIFY_MARGINS of it.
 """
 
@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from oscar_core.equivalence import COVARIANCE_OF, Deviation, figure_deviations, json_differences, tensor_deviations
+from oscar_core.equivalence import (COVARIANCE_OF, Deviation, clip_excess, figure_deviations, json_differences, kind_of,
+                                    tensor_deviations)
 from oscar_core.errors import OscarError
 from oscar_core.formats.bundle import (MANIFEST_FILE, TENSOR_FILE, Bundle, Manifest, bundle_layers, plain_name,
                                        schema_errors)
@@ -34,6 +36,7 @@ RECIPES_DIR = "recipes"
 BUNDLE_FILES = (TENSOR_FILE, MANIFEST_FILE)
 LOCAL_DATA = ("default", "default-heldout")
 PROVENANCE = ("tensors.sha256", "calibration.platform", "calibration.model_source")  # may differ between machines
+CLIP_MEANS = ("quant.key_clip", "quant.value_clip")  # follow the clips, held to their own rule
 # |committed − rebuilt| allowed per verify figure. Measured across instruction sets
 # (bench/results/reproducibility.md): the errors did not move at the recorded 4 digits, KL moved 2e-4, top-1 agreement one token in 1,023 (9e-4);
 # margins are about 10x that (10 rounding steps for the errors). Seeds move these figures little (<= 2e-3):
@@ -242,7 +245,7 @@ def manifest_differences(committed: Manifest, rebuilt: Manifest) -> list[str]:
     the instruction set) must agree within LAYER_ERROR_TOLERANCE."""
     def comparable(m: Manifest) -> tuple[dict, list[dict]]:
         d = m.model_dump(mode="json")
-        for path in PROVENANCE:
+        for path in PROVENANCE + CLIP_MEANS:
             section, key = path.split(".")
             d[section].pop(key, None)
         return d, [entry.pop("errors") for entry in d["quant"]["layers"] or []]
@@ -257,14 +260,48 @@ def manifest_differences(committed: Manifest, rebuilt: Manifest) -> list[str]:
     return out
 
 
-def rotation_covariances(calib_dir: Path, manifest: Manifest) -> dict:
-    """The rebuild's C_Q and C_S per layer, keyed by the rotation they belong to."""
-    from oscar_core.calibrate.calibration import read_statistics
+def rebuild_measures(calib_dir: Path, committed: Bundle, rebuilt: Bundle) -> tuple[dict, dict]:
+    """What the rebuild's statistics say about the committed tensors: (the rebuild's C_Q and C_S per layer, keyed by
+    the rotation they belong to; the clip_excess of every clip that differs, on the rebuild's clip objectives).
+    The zoo exports with the default DeriveOptions, so those are the objectives its search minimized."""
+    from oscar_core.calibrate.calibration import read_record, read_statistics
+    from oscar_core.calibrate.derive import DeriveOptions, clip_objectives
+    from oscar_core.calibrate.export import layer_frequencies, served_options
 
-    stats, _ = read_statistics(calib_dir, manifest.model.num_heads)
+    m = rebuilt.manifest
+    stats, _ = read_statistics(calib_dir, m.model.num_heads)
+    layers = bundle_layers(m)
     side = {"query": stats.query_covariance, "output": stats.score_weighted_value_covariance}
-    return {f"layers.{i}.{kind}": side[cov](i) for i in bundle_layers(manifest)
-            for kind, cov in COVARIANCE_OF.items()}
+    covariances = {f"layers.{i}.{kind}": side[cov](i) for i in layers for kind, cov in COVARIANCE_OF.items()}
+    differing = sorted(n for n, b in rebuilt.tensors.items() if kind_of(n).endswith("_clip")
+                       and n in committed.tensors and committed.tensors[n].shape == b.shape
+                       and not torch.equal(committed.tensors[n], b))
+    if not differing:
+        return covariances, {}
+    frequencies = layer_frequencies(read_record(calib_dir))
+    opts = served_options(DeriveOptions(), m.model, m.quant.sink_tokens, stats.probe(layers[0])["key"].shape[-2],
+                          bool(frequencies))
+    axes = {f.layer: f.key_axis for f in m.quant.layers or []}
+    excesses = {}
+    for name in differing:
+        layer = int(name.split(".")[1])
+        prefix = f"layers.{layer}."
+        tensors = {n[len(prefix):]: t for n, t in rebuilt.tensors.items() if n.startswith(prefix)}
+        objective = clip_objectives(stats, layer, tensors, opts, axes.get(layer, "token"), frequencies.get(layer))
+        excesses[name] = clip_excess(objective[kind_of(name)], committed.tensors[name], rebuilt.tensors[name])
+    return covariances, excesses
+
+
+def clip_means_problems(bundle: Bundle) -> list[str]:
+    """The manifest's mean clips (quant.key_clip, value_clip) against the bundle's own clips, as one-line reasons."""
+    out = []
+    for kind in ("key_clip", "value_clip"):
+        clips = [t for n, t in bundle.tensors.items() if kind_of(n) == kind]
+        mean = round(float(torch.stack(clips).double().mean()), 4) if clips else None
+        if mean is not None and abs(mean - getattr(bundle.manifest.quant, kind)) > 1e-4:
+            out.append(f"manifest quant.{kind} {getattr(bundle.manifest.quant, kind)} is not the mean of the "
+                       f"bundle's clips ({mean})")
+    return out
 
 
 def verify_deviations(committed: Path, rebuilt: Bundle) -> tuple[list[Deviation], list[str]]:
@@ -307,8 +344,9 @@ def compare(committed: Path, rebuilt: Path, calib_dir: Path,
     except OscarError as e:
         return "differs", [], [str(e)]
     b = load_bundle(rebuilt)
-    reasons = manifest_differences(a.manifest, b.manifest)
-    deviations, structural = tensor_deviations(a.tensors, b.tensors, rotation_covariances(calib_dir, b.manifest))
+    reasons = manifest_differences(a.manifest, b.manifest) + clip_means_problems(a)
+    covariances, excesses = rebuild_measures(calib_dir, a, b)
+    deviations, structural = tensor_deviations(a.tensors, b.tensors, covariances, excesses)
     reasons += structural
     if run_verify and not reasons and all(d.ok for d in deviations):
         figures, why = verify_deviations(committed, b)
