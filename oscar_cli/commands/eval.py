@@ -171,10 +171,11 @@ def two_panels(report: dict, series, left: tuple[str, str], cells: list, score, 
     import matplotlib.pyplot as plt
 
     ms, ctx = report["methods"], report["contexts"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
+    wide = max(1.3, 0.1 * len(cells))  # the grid's width grows with its cells, so their labels do not overlap
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(5.6 * (1 + wide), 4.8), gridspec_kw={"width_ratios": [1, wide]})
     for m in ms:
-        bits = report["bits_per_element"][m][str(ctx[-1])]
-        ax.plot(ctx, [series(m, str(c)) for c in ctx], marker="o", label=f"{report['labels'][m]} ({bits:.2f} b/elt)")
+        bits = " / ".join(f"{report['bits_per_element'][m][str(c)]:.2f}" for c in ctx)
+        ax.plot(ctx, [series(m, str(c)) for c in ctx], marker="o", label=f"{report['labels'][m]} ({bits} b/elt)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log" if log else "linear")
     if ylim:
@@ -213,6 +214,10 @@ def plot_report(report: dict) -> bytes:
                       ("context / needle depth / prompts", "Needle retrieval (exact match)"), log=True)
 
 
+TASK_LABELS = {"niah_single": "single", "niah_multikey": "multi\nkey", "niah_multivalue": "multi\nvalue",
+               "niah_multiquery": "multi\nquery", "variable_tracking": "var.\ntrack", "common_words": "common\nwords"}
+
+
 def plot_ruler(report: dict) -> bytes:
     """PNG: left, the RULER-style average vs context per method; right, each method's score per (length, task)
     with its prompt count."""
@@ -221,7 +226,7 @@ def plot_ruler(report: dict) -> bytes:
     return two_panels(report, lambda m, c: report["average"][m][c],
                       ("average score over tasks", f"RULER-style average (n = {report['samples']} a task)"),
                       cells, lambda m, cell: report["scores"][m][cell[0]][cell[1]],
-                      [f"{short(c)}\n{t.replace('_', chr(10))}\nn={prompts[c][t]}" for c, t in cells],
+                      [f"{short(c)}\n{TASK_LABELS.get(t, t)}\nn={prompts[c][t]}" for c, t in cells],
                       ("context / task / prompts", "RULER-style tasks (string match)"), ylim=(-0.02, 1.02))
 
 
