@@ -5,7 +5,7 @@ MKL kernels chosen by CPU), LAPACK's eigensolver and vectorized math move the la
 to measured tolerances per tensor kind (bench/reproducibility.py, bench/results/reproducibility.md):
 
     clips       c_a == c_b, or a near tie of the search: E_b(c_a) − E_b(c_b) <= τ·E_b(c_b)  per KV head,
-                E_b the rebuild's own clip objective (derive.clip_objectives), whose argmin over the grid c_b is
+                E_b the rebuild's own clip objective (derive.clip_objectives), c_b its argmin over the grid
     means       max |μ_a − μ_b| / max |μ_a|                          per layer
     rotations   ‖R_aᵀ C R_a − R_bᵀ C R_b‖_F / ‖C‖_F                per layer and KV head
     other       max |x_a − x_b| / max |x_a|                          any tensor kind not named above

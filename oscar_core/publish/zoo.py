@@ -11,8 +11,8 @@ The reproducibility contract, kept by `check`, which rebuilds into a temporary d
 - same machine and software: the rebuild is byte-identical ("same");
 - any other machine: the rebuild must be numerically equivalent ("equivalent", else "differs"): the manifest
   identical apart from checksum, provenance (platform, model source) and the mean clips, every clip the rebuild's
-  own or a near tie of its search, every other tensor within the tolerances of oscar_core/equivalence.py, and, when `oscar verify --record` left a
-  verify.json, the rebuild's verify figures within VERIFY_MARGINS of it.
+  own or a near tie of its search, every other tensor within the tolerances of oscar_core/equivalence.py, and,
+  when `oscar verify --record` left a verify.json, the rebuild's verify figures within VERIFY_MARGINS of it.
 """
 
 import tempfile
